@@ -1,0 +1,235 @@
+"""The one place nbflash touches ``numba.cuda``.
+
+Every kernel module imports ``cuda`` (and the few warp-level helpers below)
+from here, so three things are decided once:
+
+* **GPU or simulator.** Numba's CUDA simulator is switched on by the
+  environment variable ``NUMBA_ENABLE_CUDASIM=1`` *before* Numba is imported;
+  on a machine with no CUDA driver at all, nbflash sets it for you (unless
+  the variable is set either way).  :data:`SIMULATOR` records which one we got.  Kernels are the same source in
+  both cases; only the handful of warp primitives the simulator lacks get a
+  Python implementation here, with the hardware's semantics.
+* **Compilation.** :func:`kernel` and :func:`device_function` wrap
+  ``cuda.jit`` with the project's options.
+* **Numba-CUDA internals.** Raising a kernel's dynamic shared-memory limit and
+  compiling to PTX without a GPU need calls numba-cuda has no public API for;
+  they live in :func:`set_max_dynamic_shared` and :func:`compile_ptx_offline`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import sys
+import threading
+
+
+def _cuda_driver_present() -> bool:
+    """Can the CUDA driver library be loaded at all?"""
+    for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
+        try:
+            ctypes.CDLL(name)
+            return True
+        except OSError:
+            pass
+    return False
+
+
+# With no GPU driver on this machine and no explicit choice, run in the
+# simulator: the same kernels, on NumPy arrays.  An explicit
+# NUMBA_ENABLE_CUDASIM (0 or 1) always wins.  Numba reads the variable when it
+# is first imported, so this only helps if nbflash is imported before Numba.
+if "NUMBA_ENABLE_CUDASIM" not in os.environ and "numba" not in sys.modules and not _cuda_driver_present():
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+
+import numba  # noqa: E402
+from numba import cuda  # noqa: E402
+from numba.cuda.core import config as _cuda_config  # noqa: E402
+
+__all__ = [
+    "SIMULATOR",
+    "cuda",
+    "device_function",
+    "kernel",
+    "shfl_xor",
+    "syncwarp",
+    "is_available",
+    "set_max_dynamic_shared",
+    "compile_ptx_offline",
+    "numba",
+]
+
+#: True when kernels run in Numba's CUDA simulator (one Python thread per CUDA thread).
+SIMULATOR: bool = bool(_cuda_config.ENABLE_CUDASIM)
+
+#: Lanes per warp; the warp helpers below assume the hardware's 32.
+WARP_SIZE = 32
+FULL_MASK = 0xFFFFFFFF
+
+
+def is_available() -> bool:
+    """True if kernels can run: a CUDA GPU is present, or the simulator is on."""
+    if SIMULATOR:
+        return True
+    try:
+        return bool(cuda.is_available())
+    except Exception:  # pragma: no cover - driver problems mean "no GPU"
+        return False
+
+
+def kernel(fn=None, **options):
+    """``cuda.jit`` for a kernel (used as a decorator inside kernel factories)."""
+    if fn is None:
+        return lambda f: cuda.jit(**options)(f)
+    return cuda.jit(**options)(fn)
+
+
+def device_function(fn):
+    """``cuda.jit(device=True, inline=True)``: a helper called from kernels."""
+    return cuda.jit(device=True, inline=True)(fn)
+
+
+# --------------------------------------------------------------------------
+# Warp primitives.  On the GPU these are Numba's own; the simulator has none,
+# so we give it an implementation with the same per-lane semantics.
+# --------------------------------------------------------------------------
+
+
+class _SimWarp:
+    """Exchange slots and a barrier shared by the simulated lanes of one warp."""
+
+    def __init__(self, lanes: int):
+        self.barrier = threading.Barrier(lanes)
+        self.slots = [None] * WARP_SIZE
+
+
+_sim_lock = threading.Lock()
+
+
+def _sim_warp():
+    """The calling simulator thread's lane index and its warp's exchange state."""
+    thread = threading.current_thread()
+    manager = thread._manager  # the simulator's BlockManager for this block
+    tid = thread.thread_id
+    warp_id, lane = divmod(tid, WARP_SIZE)
+    with _sim_lock:
+        warps = manager.__dict__.setdefault("_nbflash_warps", {})
+        warp = warps.get(warp_id)
+        if warp is None:
+            bx, by, bz = manager._block_dim
+            nthreads = bx * by * bz
+            lanes = min(WARP_SIZE, nthreads - warp_id * WARP_SIZE)
+            warp = warps[warp_id] = _SimWarp(lanes)
+    return lane, warp
+
+
+def _sim_shfl_xor(mask, value, lane_mask):
+    """``shfl.sync.bfly``: every lane receives the value of lane ``lane ^ lane_mask``."""
+    lane, warp = _sim_warp()
+    warp.slots[lane] = value
+    warp.barrier.wait()  # all lanes have published their value
+    out = warp.slots[lane ^ lane_mask]
+    warp.barrier.wait()  # all lanes have read before anyone overwrites a slot
+    return out
+
+
+def _sim_syncwarp(mask=FULL_MASK):
+    """``bar.warp.sync``: the lanes of the calling warp wait for each other."""
+    _, warp = _sim_warp()
+    warp.barrier.wait()
+
+
+if SIMULATOR:
+    shfl_xor = _sim_shfl_xor
+    syncwarp = _sim_syncwarp
+else:
+
+    @device_function
+    def shfl_xor(mask, value, lane_mask):
+        return cuda.shfl_xor_sync(mask, value, lane_mask)
+
+    @device_function
+    def syncwarp():
+        cuda.syncwarp(FULL_MASK)
+
+
+# --------------------------------------------------------------------------
+# numba-cuda internals, wrapped once.
+# --------------------------------------------------------------------------
+
+#: Shared memory a block may use without opting in (bytes).
+DEFAULT_SHARED_LIMIT = 48 * 1024
+
+
+def max_shared_per_block() -> int:
+    """The device's opt-in shared-memory limit per block (bytes)."""
+    if SIMULATOR:
+        return 227 * 1024
+    dev = cuda.get_current_device()
+    return int(dev.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+
+
+def set_max_dynamic_shared(dispatcher, nbytes: int) -> None:
+    """Let every compiled overload of ``dispatcher`` launch with ``nbytes`` of dynamic shared memory.
+
+    A block may use more than 48 KB of shared memory only after the kernel's
+    ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` is raised; numba-cuda has
+    no API for that attribute, so we set it through the driver binding on the
+    compiled function (the call numba-cuda itself makes for its carveout option).
+    A no-op in the simulator, which has no such limit.
+    """
+    if SIMULATOR or nbytes <= DEFAULT_SHARED_LIMIT:
+        return
+    from numba.cuda.cudadrv.driver import binding, driver
+
+    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    for overload in dispatcher.overloads.values():
+        cufunc = overload._codelibrary.get_cufunc()
+        driver.cuKernelSetAttribute(attr, int(nbytes), cufunc.handle, cufunc.device.id)
+
+
+def max_dynamic_shared(dispatcher) -> list[int]:
+    """The dynamic shared-memory limit of each compiled overload (for tests)."""
+    from numba.cuda.cudadrv.driver import binding, driver
+
+    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    out = []
+    for overload in dispatcher.overloads.values():
+        cufunc = overload._codelibrary.get_cufunc()
+        out.append(int(driver.cuKernelGetAttribute(attr, cufunc.handle, cufunc.device.id)))
+    return out
+
+
+@contextlib.contextmanager
+def _pretend_device(cc):
+    """Report compute capability ``cc`` to numba-cuda's device-function compiler.
+
+    numba-cuda asks the driver for the current device's compute capability when
+    a kernel calls a ``@cuda.jit(device=True)`` function, which fails on a
+    machine with no GPU.  For an offline PTX compile we answer for it.
+    """
+    import numba.cuda.dispatcher as disp
+
+    class _Dev:
+        compute_capability = cc
+
+    saved = disp.get_current_device
+    disp.get_current_device = lambda: _Dev()
+    try:
+        yield
+    finally:
+        disp.get_current_device = saved
+
+
+def compile_ptx_offline(pyfunc, signature, cc=(9, 0), **options) -> str:
+    """Compile a kernel's Python source to PTX with NVVM; needs no GPU.
+
+    The simulator does not type-check kernels, so this is how CI proves that the
+    real kernels compile.  Must be called without the simulator active.
+    """
+    if SIMULATOR:
+        raise RuntimeError("compile_ptx_offline needs the real numba-cuda, not the simulator")
+    with _pretend_device(cc):
+        ptx, _ = cuda.compile_ptx(pyfunc, signature, cc=cc, **options)
+    return ptx

@@ -1,0 +1,192 @@
+"""Tile plumbing shared by the SIMT kernels: configurations, shared-memory carving, tile loads.
+
+A *configuration* fixes every compile-time constant of a kernel: the tile
+sizes ``BLOCK_M`` (queries) and ``BLOCK_N`` (keys), the padded head dim, the
+thread layout and the element types.  Kernel factories are cached on it, so
+each configuration compiles once.
+
+Thread layout.  A block has ``THREADS_Y × THREADS_X`` threads; thread
+``(ty, tx)`` (linear id ``ty * THREADS_X + tx``) owns the rows
+``ty, ty + THREADS_Y, ty + 2·THREADS_Y, …`` of a tile and the columns
+``tx, tx + THREADS_X, …``.  ``THREADS_X`` is a power of two ≤ 32, so the
+``THREADS_X`` threads that share a row are lanes of one warp: a row's max or
+sum is a butterfly of warp shuffles, and a row written to shared memory by
+those lanes needs only a warp barrier before they read it back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._device import SIMULATOR, cuda, device_function, numba, shfl_xor
+
+#: Element types a kernel can read from global memory.  bfloat16 arrives as its
+#: raw 16 bits (uint16) because CuPy and NumPy have no bfloat16.
+INPUT_KINDS = ("float16", "bfloat16", "float32", "float64")
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Compile-time constants of one SIMT kernel."""
+
+    block_m: int  # query rows per tile (BLOCK_M)
+    block_n: int  # key rows per tile (BLOCK_N)
+    head_dim_pad: int  # head dim rounded up to a multiple of threads_x
+    threads_x: int  # lanes sharing a row: a power of two <= 32
+    threads_y: int
+    input_kind: str  # one of INPUT_KINDS
+    acc_kind: str = "float32"  # accumulate and keep tiles in float32 (float64 for float64 inputs)
+    trace: bool = False  # record m_i and l_i after every key tile (the teaching demo)
+
+    def __post_init__(self):
+        tx, ty = self.threads_x, self.threads_y
+        if tx & (tx - 1) or not 1 <= tx <= 32:
+            raise ValueError(f"threads_x must be a power of two <= 32, got {tx}")
+        for name, size, div in (
+            ("block_m", self.block_m, ty),
+            ("block_n", self.block_n, tx),
+            ("head_dim_pad", self.head_dim_pad, tx),
+        ):
+            if size <= 0 or size % div:
+                raise ValueError(f"{name}={size} must be a positive multiple of {div}")
+        if self.input_kind not in INPUT_KINDS:
+            raise ValueError(f"input_kind must be one of {INPUT_KINDS}, got {self.input_kind!r}")
+
+    @property
+    def threads(self) -> int:
+        return self.threads_x * self.threads_y
+
+    @property
+    def acc_itemsize(self) -> int:
+        return 8 if self.acc_kind == "float64" else 4
+
+
+def pad_head_dim(head_dim: int, multiple: int) -> int:
+    """Round ``head_dim`` up to a multiple of ``multiple``."""
+    return -(-head_dim // multiple) * multiple
+
+
+def numba_type(kind: str):
+    return {"float32": numba.float32, "float64": numba.float64}[kind]
+
+
+LOG2E = 1.0 / math.log(2.0)  # log2(e): exp(x) = exp2(x * LOG2E)
+LN2 = math.log(2.0)
+
+
+def make_loader(input_kind: str, acc_kind: str):
+    """Device function: one element read from global memory, converted to the accumulator type."""
+    acc_t = numba_type(acc_kind)
+    if input_kind == "bfloat16":
+        # bf16 is the top half of a float32: shift its 16 bits up and reinterpret.
+        if SIMULATOR:
+
+            def to_acc(x):
+                bits = np.uint32(x) << np.uint32(16)
+                return acc_t(np.array([bits], dtype=np.uint32).view(np.float32)[0])
+
+        else:
+            from numba.cuda import libdevice
+
+            def to_acc(x):
+                return acc_t(libdevice.int_as_float(numba.int32(numba.uint32(x) << 16)))
+
+        return device_function(to_acc)
+
+    def to_acc(x):
+        return acc_t(x)
+
+    return device_function(to_acc)
+
+
+def make_storer(output_kind: str):
+    """Device function: convert an accumulator value to the output element type."""
+    if output_kind == "bfloat16":
+        # Round to nearest even on the 16 bits we keep (inputs here are finite or inf).
+        if SIMULATOR:
+
+            def to_out(x):
+                bits = np.array([np.float32(x)], dtype=np.float32).view(np.uint32)[0]
+                bits = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+                return np.uint16(bits >> np.uint32(16))
+
+        else:
+            from numba.cuda import libdevice
+
+            def to_out(x):
+                bits = numba.uint32(libdevice.float_as_int(numba.float32(x)))
+                bits = bits + numba.uint32(0x7FFF) + ((bits >> 16) & numba.uint32(1))
+                return numba.uint16(bits >> 16)
+
+        return device_function(to_out)
+    out_t = {"float16": numba.types.float16, "float32": numba.float32, "float64": numba.float64}[output_kind]
+
+    def to_out(x):
+        return out_t(x)
+
+    return device_function(to_out)
+
+
+def make_tile_loader(cfg: TileConfig):
+    """Device function that copies rows ``[start, start + rows)`` of one (batch, head) into shared memory.
+
+    Consecutive threads read consecutive elements of a row, so a warp's loads
+    coalesce.  Rows past ``seqlen`` and columns past ``head_dim`` are filled
+    with zeros: a padded element then adds nothing to any dot product, and no
+    uninitialised value (possibly NaN) can reach an output.
+    """
+    THREADS = cfg.threads
+    D_PAD = cfg.head_dim_pad
+    to_acc = make_loader(cfg.input_kind, cfg.acc_kind)
+    zero = numba_type(cfg.acc_kind)(0)
+
+    def load_tile(dst, pitch, src, b, h, start, rows, seqlen, head_dim, tid):
+        for idx in range(tid, rows * D_PAD, THREADS):
+            r = idx // D_PAD
+            d = idx - r * D_PAD
+            if start + r < seqlen and d < head_dim:
+                dst[r * pitch + d] = to_acc(src[b, h, start + r, d])
+            else:
+                dst[r * pitch + d] = zero
+
+    return device_function(load_tile)
+
+
+def make_row_reducers(threads_x: int):
+    """Device functions: max and sum of a value over the ``threads_x`` lanes that share a row.
+
+    A butterfly of ``shfl.sync.bfly``: after log2(threads_x) exchanges every
+    lane holds the full result.
+    """
+    STEPS = int(math.log2(threads_x))
+    FULL = 0xFFFFFFFF
+
+    def row_max(x):
+        for i in range(STEPS):
+            x = max(x, shfl_xor(FULL, x, threads_x >> (i + 1)))
+        return x
+
+    def row_sum(x):
+        for i in range(STEPS):
+            x += shfl_xor(FULL, x, threads_x >> (i + 1))
+        return x
+
+    return device_function(row_max), device_function(row_sum)
+
+
+__all__ = [
+    "INPUT_KINDS",
+    "LN2",
+    "LOG2E",
+    "TileConfig",
+    "cuda",
+    "make_loader",
+    "make_row_reducers",
+    "make_storer",
+    "make_tile_loader",
+    "numba_type",
+    "pad_head_dim",
+]

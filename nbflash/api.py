@@ -1,0 +1,92 @@
+"""The public entry points: :func:`attention` (and, from the backward module, its gradient)."""
+
+from __future__ import annotations
+
+from ._streams import current_stream
+from ._validate import Problem, canonical, check_attention
+from .forward import choose_config, launch_forward
+
+
+def _forward(p: Problem, q, k, v, *, stream=None):
+    """Allocate ``o`` (in the caller's layout) and ``lse``, and run the forward kernel.
+
+    ``stream``: a Numba stream to launch on (default: CuPy's current stream).
+    """
+    xp = p.xp
+    if p.layout == "bhsd":
+        o = xp.empty((p.batch, p.heads, p.seqlen_q, p.head_dim), dtype=q.dtype)
+    else:
+        o = xp.empty((p.batch, p.seqlen_q, p.heads, p.head_dim), dtype=q.dtype)
+    lse = xp.empty((p.batch, p.heads, p.seqlen_q), dtype=p.lse_dtype)
+    cfg = choose_config(p.head_dim, p.input_kind)
+    launch_forward(
+        cfg,
+        canonical(q, p.layout),
+        canonical(k, p.layout),
+        canonical(v, p.layout),
+        canonical(o, p.layout),
+        lse,
+        p.scale,
+        p.causal,
+        stream=current_stream(xp) if stream is None else stream,
+    )
+    return o, lse
+
+
+def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layout: str = "bhsd",
+              return_lse: bool = False):
+    """Exact scaled-dot-product attention, ``softmax(Q Kᵀ · scale) V``, by one fused kernel.
+
+    Args:
+        q: queries, ``(batch, heads, seqlen_q, headdim)`` for ``layout="bhsd"``
+            (PyTorch's SDPA order) or ``(batch, seqlen_q, heads, headdim)`` for
+            ``"bshd"`` (flash-attn's).  A CuPy array on the GPU; a NumPy array
+            when the CUDA simulator is active.  float16, float32 or float64.
+            Any view whose last axis is contiguous works without a copy.
+        k, v: keys and values, ``seqlen_k`` rows, same batch, heads, head dim,
+            dtype and array type as ``q``.  ``seqlen_k`` may differ from
+            ``seqlen_q``.
+        causal: mask aligned to the bottom-right corner (flash-attn ≥ 2.1):
+            query ``i`` sees key ``j`` iff ``j <= i + seqlen_k - seqlen_q``::
+
+                seqlen_q=3, seqlen_k=5     seqlen_q=4, seqlen_k=2
+                   k: 0 1 2 3 4               k: 0 1
+                q0    x x x . .            q0    . .   <- no key: o = 0,
+                q1    x x x x .            q1    . .      lse = -inf
+                q2    x x x x x            q2    x .
+                                           q3    x x
+
+            Costs nothing extra: tiles above the diagonal are skipped.
+        scale: multiplies ``Q Kᵀ`` before the softmax; default ``1/sqrt(headdim)``.
+        layout: ``"bhsd"`` or ``"bshd"``; the output uses the same layout.
+        return_lse: also return ``lse = log sum_j exp(scale · q_i·k_j)``, shape
+            ``(batch, heads, seqlen_q)``, float32 (float64 for float64 inputs).
+            It is all the backward pass needs besides ``o``.
+
+    Returns:
+        ``o`` with the dtype, layout and array type of ``q``, or ``(o, lse)``.
+
+    Raises:
+        TypeError: wrong array type (or device kind), unsupported or mismatched dtype.
+        ValueError: bad shapes, empty arrays, head dim > 256, a last axis that
+            is not contiguous, arrays on different GPUs, an unknown layout.
+
+    Head dims 1..256 and any sequence lengths ≥ 1 are supported; the inputs are
+    never modified.
+    """
+    o, lse = forward_arrays(q, k, v, causal=causal, scale=scale, layout=layout)
+    return (o, lse) if return_lse else o
+
+
+def forward_arrays(q, k, v, *, causal=False, scale=None, layout="bhsd", bf16_bits=False, stream=None):
+    """``(o, lse)`` — :func:`attention` for bridges, with two more options.
+
+    ``bf16_bits``: q, k, v (and then o) are uint16 arrays holding bfloat16
+    bits; the kernel converts on load and rounds to nearest-even on store.
+    ``stream``: the Numba stream to launch on (default: CuPy's current stream).
+    """
+    p = check_attention(q, k, v, causal=causal, scale=scale, layout=layout, bf16_bits=bf16_bits)
+    return _forward(p, q, k, v, stream=stream)
+
+
+__all__ = ["attention", "forward_arrays"]

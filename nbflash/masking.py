@@ -1,0 +1,117 @@
+"""Which (query, key) pairs attend to each other — written once, used by every kernel.
+
+Causal attention in nbflash is aligned to the **bottom-right** corner, as in
+flash-attn ≥ 2.1: with ``shift = seqlen_k - seqlen_q``, query ``i`` sees key ``j``
+iff ``j <= i + shift``.  When ``seqlen_q == seqlen_k`` this is the usual lower
+triangle; when the query is shorter (decoding with a KV cache) the last query
+sees every key; when the query is longer, the first rows see nothing::
+
+    seqlen_q=2, seqlen_k=5        seqlen_q=5, seqlen_k=2
+    (shift = +3)                  (shift = -3)
+          keys                          keys
+          0 1 2 3 4                     0 1
+    q0    x x x x .               q0    . .     <- sees no key: output 0,
+    q1    x x x x x               q1    . .        lse = -inf
+                                  q2    . .
+                                  q3    x .
+                                  q4    x x
+
+Kernels never build this matrix.  They ask three questions of it, and the
+answers come from the functions below (compiled as device functions in
+:mod:`nbflash._device`; the plain Python versions are used on the host):
+
+* :func:`key_range` — which key tiles can a query tile see at all?  Tiles
+  entirely above the diagonal are skipped, never computed and masked.
+* :func:`query_range` — which query tiles can see a key tile (the backward
+  pass, parallel over keys, loops over these)?
+* :func:`tile_needs_mask` / :func:`is_visible` — does a tile straddle the
+  diagonal or the ragged end of a sequence, and then which elements survive?
+
+Later features (sliding windows, variable lengths, GQA) change these
+functions, not the kernels.
+"""
+
+from __future__ import annotations
+
+import types
+
+from ._device import device_function
+
+
+def _causal_shift(seqlen_q, seqlen_k):
+    """Offset of the causal diagonal: query i sees keys j <= i + shift."""
+    return seqlen_k - seqlen_q
+
+
+def _row_key_end(i, seqlen_q, seqlen_k, causal):
+    """Query ``i`` sees exactly the keys ``[0, end)``; ``end`` is 0 for a row past ``seqlen_q``.
+
+    Every other question below is answered from this one: a row's visible keys
+    are always a prefix.
+    """
+    if i >= seqlen_q:
+        return 0
+    if causal:
+        return max(min(seqlen_k, i + seqlen_k - seqlen_q + 1), 0)
+    return seqlen_k
+
+
+def _key_range(q_start, block_m, seqlen_q, seqlen_k, causal):
+    """Keys ``[0, end)`` that at least one query of rows ``[q_start, q_start + block_m)`` sees.
+
+    ``end`` may be 0 (causal with seqlen_q > seqlen_k): the tile sees no key.
+    """
+    last_q = min(q_start + block_m, seqlen_q) - 1
+    return 0, _row_key_end(last_q, seqlen_q, seqlen_k, causal)
+
+
+def _query_range(k_start, block_n, seqlen_q, seqlen_k, causal):
+    """Queries ``[begin, seqlen_q)`` that see at least one key of ``[k_start, k_start + block_n)``.
+
+    The first such query is the first row whose visible prefix reaches past ``k_start``.
+    """
+    begin = 0
+    if causal:
+        begin = min(max(k_start - (seqlen_k - seqlen_q), 0), seqlen_q)
+    return begin, seqlen_q
+
+
+def _tile_needs_mask(q_start, k_start, block_m, block_n, seqlen_q, seqlen_k, causal):
+    """True if some element of the tile is invisible: a ragged end, or the causal diagonal.
+
+    Rows past ``seqlen_q`` count as invisible too; the tile's first row has the
+    shortest visible prefix, so it decides the rest.
+    """
+    if q_start + block_m > seqlen_q:
+        return True
+    return _row_key_end(q_start, seqlen_q, seqlen_k, causal) < k_start + block_n
+
+
+def _is_visible(i, j, seqlen_q, seqlen_k, causal):
+    """Does query ``i`` attend to key ``j``?"""
+    return j < _row_key_end(i, seqlen_q, seqlen_k, causal)
+
+
+# Host versions (plain Python) ...
+causal_shift = _causal_shift
+row_key_end = _row_key_end
+key_range = _key_range
+query_range = _query_range
+tile_needs_mask = _tile_needs_mask
+is_visible = _is_visible
+
+
+# ... and the same source compiled for kernels, each calling the device
+# version of ``_row_key_end``.
+def _for_device(fn, namespace):
+    env = dict(globals())
+    env.update(namespace)
+    return device_function(types.FunctionType(fn.__code__, env, fn.__name__, fn.__defaults__, fn.__closure__))
+
+
+d_row_key_end = device_function(_row_key_end)
+_DEVICE_NAMES = {"_row_key_end": d_row_key_end}
+d_key_range = _for_device(_key_range, _DEVICE_NAMES)
+d_query_range = _for_device(_query_range, _DEVICE_NAMES)
+d_tile_needs_mask = _for_device(_tile_needs_mask, _DEVICE_NAMES)
+d_is_visible = _for_device(_is_visible, _DEVICE_NAMES)
