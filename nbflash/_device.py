@@ -60,6 +60,10 @@ __all__ = [
     "numba",
 ]
 
+# Small grids are normal here (one head, a short sequence); Numba's
+# low-occupancy warning would fire on every such call.
+_cuda_config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
+
 #: True when kernels run in Numba's CUDA simulator (one Python thread per CUDA thread).
 SIMULATOR: bool = bool(_cuda_config.ENABLE_CUDASIM)
 

@@ -133,6 +133,8 @@ def make_storer(output_kind: str):
 def make_tile_loader(cfg: TileConfig):
     """Device function that copies rows ``[start, start + rows)`` of one (batch, head) into shared memory.
 
+    The tile lands at ``dst[offset + r * pitch + d]``.
+
     Consecutive threads read consecutive elements of a row, so a warp's loads
     coalesce.  Rows past ``seqlen`` and columns past ``head_dim`` are filled
     with zeros: a padded element then adds nothing to any dot product, and no
@@ -143,14 +145,14 @@ def make_tile_loader(cfg: TileConfig):
     to_acc = make_loader(cfg.input_kind, cfg.acc_kind)
     zero = numba_type(cfg.acc_kind)(0)
 
-    def load_tile(dst, pitch, src, b, h, start, rows, seqlen, head_dim, tid):
+    def load_tile(dst, offset, pitch, src, b, h, start, rows, seqlen, head_dim, tid):
         for idx in range(tid, rows * D_PAD, THREADS):
             r = idx // D_PAD
             d = idx - r * D_PAD
             if start + r < seqlen and d < head_dim:
-                dst[r * pitch + d] = to_acc(src[b, h, start + r, d])
+                dst[offset + r * pitch + d] = to_acc(src[b, h, start + r, d])
             else:
-                dst[r * pitch + d] = zero
+                dst[offset + r * pitch + d] = zero
 
     return device_function(load_tile)
 

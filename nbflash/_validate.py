@@ -130,7 +130,7 @@ def check_device(names, arrays, xp) -> None:
     if xp is np:
         return
     dev0 = arrays[0].device.id
-    for name, a in zip(names, arrays):
+    for name, a in zip(names, arrays, strict=False):
         if a.device.id != dev0:
             raise ValueError(f"{name} is on GPU {a.device.id} but q is on GPU {dev0}; all inputs must share a device")
 
@@ -143,9 +143,9 @@ def check_attention(q, k, v, *, causal, scale, layout, bf16_bits: bool = False) 
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     names = ("q", "k", "v")
     arrays = (q, k, v)
-    xps = [check_array(n, a) for n, a in zip(names, arrays)]
+    xps = [check_array(n, a) for n, a in zip(names, arrays, strict=False)]
     xp = xps[0]
-    for n, a in zip(names, arrays):
+    for n, a in zip(names, arrays, strict=False):
         if a.ndim != 4:
             dims = "(batch, heads, seqlen, headdim)" if layout == "bhsd" else "(batch, seqlen, heads, headdim)"
             raise ValueError(f"{n} must be 4-D {dims} for layout={layout!r}, got shape {tuple(a.shape)}")
@@ -164,12 +164,12 @@ def check_attention(q, k, v, *, causal, scale, layout, bf16_bits: bool = False) 
         )
     if ck.shape[3] != D:
         raise ValueError(f"k and v must have the head dim of q ({D}), got {ck.shape[3]}")
-    for n, a in zip(names, arrays):
+    for n, a in zip(names, arrays, strict=False):
         if a.size == 0:
             raise ValueError(f"{n} is empty (shape {tuple(a.shape)}); every dimension must be at least 1")
     if D > MAX_HEAD_DIM:
         raise ValueError(f"head dim must be at most {MAX_HEAD_DIM}, got {D}")
-    for n, a in zip(names, arrays):
+    for n, a in zip(names, arrays, strict=False):
         check_last_axis(n, a)
     return Problem(
         xp=xp,

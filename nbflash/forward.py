@@ -60,30 +60,41 @@ from ._tiles import (
 from .masking import d_key_range, d_row_key_end, d_tile_needs_mask
 
 
+def vector_width(cfg: TileConfig) -> int:
+    """Elements per 16-byte shared-memory load (4 floats, 2 doubles)."""
+    return 16 // cfg.acc_itemsize
+
+
 def pitches(cfg: TileConfig) -> tuple[int, int, int, int]:
     """Row pitches (elements) of the shared tiles Q_i, K_j, V_j and P.
 
-    Q_i, K_j and P are read down a column by threads that own different rows;
-    one extra element per row puts those rows in different banks.  V_j is read
-    along a row, which is conflict-free without padding.
+    Threads read these tiles 16 bytes at a time.  Q_i, K_j and P are read
+    along rows owned by different threads; one extra 16-byte vector per row
+    puts those rows in different banks.  V_j is read along a row by
+    consecutive lanes, which is conflict-free without padding.
     """
+    vec = vector_width(cfg)
     d = cfg.head_dim_pad
-    return d + 1, d + 1, d, cfg.block_n + 1
+    return d + vec, d + vec, d, cfg.block_n + vec
+
+
+def shared_offsets(cfg: TileConfig) -> tuple[int, int, int, int, int]:
+    """Offsets (elements) of Q_i, K_j, V_j and P in the shared buffer, and its end."""
+    q_pitch, k_pitch, v_pitch, p_pitch = pitches(cfg)
+    q_off = 0
+    k_off = q_off + cfg.block_m * q_pitch  # Q_i: BLOCK_M rows
+    v_off = k_off + cfg.block_n * k_pitch  # K_j: BLOCK_N rows
+    p_off = v_off + cfg.block_n * v_pitch  # V_j: BLOCK_N rows
+    end = p_off + cfg.block_m * p_pitch  # P: BLOCK_M rows
+    return q_off, k_off, v_off, p_off, end
 
 
 def shared_bytes(cfg: TileConfig) -> int:
     """Dynamic shared memory of one block of the forward kernel."""
-    q_pitch, k_pitch, v_pitch, p_pitch = pitches(cfg)
-    elems = (
-        cfg.block_m * q_pitch  # Q_i
-        + cfg.block_n * k_pitch  # K_j
-        + cfg.block_n * v_pitch  # V_j
-        + cfg.block_m * p_pitch  # P
-    )
-    return elems * cfg.acc_itemsize
+    return shared_offsets(cfg)[-1] * cfg.acc_itemsize
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def forward_kernel(cfg: TileConfig):
     """The compiled forward kernel for one configuration (cached)."""
     BLOCK_M, BLOCK_N = cfg.block_m, cfg.block_n
@@ -91,15 +102,17 @@ def forward_kernel(cfg: TileConfig):
     D_PAD = cfg.head_dim_pad
     ROWS = BLOCK_M // THREADS_Y  # query rows per thread
     COLS = BLOCK_N // THREADS_X  # keys per thread in S
-    DCOLS = D_PAD // THREADS_X  # output columns per thread
+    DCOLS = D_PAD // THREADS_X  # output columns per thread (contiguous: tx·DCOLS + e)
     TRACE = cfg.trace
     acc_t = numba_type(cfg.acc_kind)
     Q_PITCH, K_PITCH, V_PITCH, P_PITCH = pitches(cfg)
-    K_OFF = BLOCK_M * Q_PITCH
-    V_OFF = K_OFF + BLOCK_N * K_PITCH
-    P_OFF = V_OFF + BLOCK_N * V_PITCH
-    P_END = P_OFF + BLOCK_M * P_PITCH
+    u64 = numba.uint64
+    Q_OFF, K_OFF, V_OFF, P_OFF = (u64(x) for x in shared_offsets(cfg)[:4])
     NEG_INF = -math.inf
+    VEC = vector_width(cfg)
+    D_PAD_U, BLOCK_N_U, VEC_U = u64(D_PAD), u64(BLOCK_N), u64(VEC)
+    SMEM_ALIGN = None if SIMULATOR else 16  # 16-byte vector loads need 16-byte alignment
+    Q_PITCH_U, K_PITCH_U, V_PITCH_U, P_PITCH_U = u64(Q_PITCH), u64(K_PITCH), u64(V_PITCH), u64(P_PITCH)
 
     load_tile = make_tile_loader(cfg)
     to_out = make_storer(cfg.input_kind)
@@ -119,25 +132,40 @@ def forward_kernel(cfg: TileConfig):
         ty = cuda.threadIdx.y
         tid = ty * THREADS_X + tx
 
-        smem = cuda.shared.array(0, acc_t)
-        Q_i = smem[0:K_OFF]
-        K_j = smem[K_OFF:V_OFF]
-        V_j = smem[V_OFF:P_OFF]
-        P = smem[P_OFF:P_END]
+        # One flat buffer holds the tiles Q_i, K_j, V_j and P at the offsets
+        # Q_OFF, K_OFF, V_OFF, P_OFF (indexing it directly, rather than through
+        # slices, lets the compiler prove the alignment of 16-byte loads).
+        smem = cuda.shared.array(0, acc_t, alignment=SMEM_ALIGN)
 
         # Step 1: Q_i stays in shared memory; m_i, l_i, acc in registers.
-        load_tile(Q_i, Q_PITCH, q, b, h, q_start, BLOCK_M, seqlen_q, head_dim, tid)
+        load_tile(smem, Q_OFF, Q_PITCH, q, b, h, q_start, BLOCK_M, seqlen_q, head_dim, tid)
         m_i = cuda.local.array(ROWS, acc_t)
         l_i = cuda.local.array(ROWS, acc_t)  # this lane's share of the row sum
         acc = cuda.local.array((ROWS, DCOLS), acc_t)
         S = cuda.local.array((ROWS, COLS), acc_t)
-        q_r = cuda.local.array(ROWS, acc_t)
-        k_c = cuda.local.array(COLS, acc_t)
+        q_v = cuda.local.array((ROWS, VEC), acc_t)  # a vector of Q_i (or of P) per row
+        k_v = cuda.local.array((COLS, VEC), acc_t)  # a vector of K_j per key
         v_e = cuda.local.array(DCOLS, acc_t)
         m_tile = cuda.local.array(ROWS, acc_t)
         m_ref = cuda.local.array(ROWS, acc_t)
         alpha = cuda.local.array(ROWS, acc_t)
         key_end = cuda.local.array(ROWS, numba.int64)  # row r sees keys [0, key_end[r])
+        # Shared-memory offsets of this thread's rows and columns, unsigned:
+        # Numba adds a negative-index wraparound to every signed index, which
+        # would cost more instructions than the FMAs it feeds.
+        q_row = cuda.local.array(ROWS, u64)  # row ty + THREADS_Y·r of Q_i
+        p_row = cuda.local.array(ROWS, u64)  # the same row of P
+        p_col = cuda.local.array(COLS, u64)  # key tx + THREADS_X·c in a row of P
+        k_row = cuda.local.array(COLS, u64)  # the same key's row of K_j
+        v_col = cuda.local.array(DCOLS, u64)  # column tx·DCOLS + e of V_j (and of O)
+        for r in range(ROWS):
+            q_row[r] = Q_OFF + u64(ty + THREADS_Y * r) * Q_PITCH_U
+            p_row[r] = P_OFF + u64(ty + THREADS_Y * r) * P_PITCH_U
+        for c in range(COLS):
+            p_col[c] = u64(tx + THREADS_X * c)
+            k_row[c] = K_OFF + u64(tx + THREADS_X * c) * K_PITCH_U
+        for e in range(DCOLS):
+            v_col[e] = V_OFF + u64(tx * DCOLS + e)
         zero = acc_t(0)
         scale_log2 = acc_t(qk_scale_log2)
         for r in range(ROWS):
@@ -151,22 +179,26 @@ def forward_kernel(cfg: TileConfig):
         for j in range((k_end + BLOCK_N - 1) // BLOCK_N):
             k_start = j * BLOCK_N
             # Step 2a: stream K_j and V_j through shared memory.
-            load_tile(K_j, K_PITCH, k, b, h, k_start, BLOCK_N, seqlen_k, head_dim, tid)
-            load_tile(V_j, V_PITCH, v, b, h, k_start, BLOCK_N, seqlen_k, head_dim, tid)
+            load_tile(smem, K_OFF, K_PITCH, k, b, h, k_start, BLOCK_N, seqlen_k, head_dim, tid)
+            load_tile(smem, V_OFF, V_PITCH, v, b, h, k_start, BLOCK_N, seqlen_k, head_dim, tid)
             cuda.syncthreads()  # Q_i, K_j and V_j are complete before anyone reads them
 
             # Step 2b: S = Q_i K_jᵀ, this thread's ROWS × COLS piece.
             for r in range(ROWS):
                 for c in range(COLS):
                     S[r, c] = 0
-            for d in range(D_PAD):
+            for d0 in range(0, D_PAD_U, VEC_U):
+                # VEC consecutive elements of each row: one 16-byte load each.
                 for r in range(ROWS):
-                    q_r[r] = Q_i[(ty + THREADS_Y * r) * Q_PITCH + d]
+                    for i in range(VEC_U):
+                        q_v[r, i] = smem[q_row[r] + d0 + i]
                 for c in range(COLS):
-                    k_c[c] = K_j[(tx + THREADS_X * c) * K_PITCH + d]
-                for r in range(ROWS):
-                    for c in range(COLS):
-                        S[r, c] += q_r[r] * k_c[c]
+                    for i in range(VEC_U):
+                        k_v[c, i] = smem[k_row[c] + d0 + i]
+                for i in range(VEC_U):
+                    for r in range(ROWS):
+                        for c in range(COLS):
+                            S[r, c] += q_v[r, i] * k_v[c, i]
 
             # Step 2c: online softmax, in base 2 (scores scaled by scale·log2 e).
             masked = d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal)
@@ -188,7 +220,7 @@ def forward_kernel(cfg: TileConfig):
                 p_sum = zero
                 for c in range(COLS):
                     p = math.exp2(S[r, c] - m_ref[r])
-                    P[(ty + THREADS_Y * r) * P_PITCH + tx + THREADS_X * c] = p
+                    smem[p_row[r] + p_col[c]] = p
                     p_sum += p
                 # The row sum stays split across the row's lanes until the end:
                 # alpha is the same on every lane, so the shares rescale alike.
@@ -205,14 +237,16 @@ def forward_kernel(cfg: TileConfig):
             syncwarp()  # a row of P is written and read by the lanes of one warp
 
             # Step 2d: acc += P V_j.
-            for n in range(BLOCK_N):
+            for n0 in range(0, BLOCK_N_U, VEC_U):
                 for r in range(ROWS):
-                    q_r[r] = P[(ty + THREADS_Y * r) * P_PITCH + n]
-                for e in range(DCOLS):
-                    v_e[e] = V_j[n * V_PITCH + tx + THREADS_X * e]
-                for r in range(ROWS):
+                    for i in range(VEC_U):
+                        q_v[r, i] = smem[p_row[r] + n0 + i]  # P[row, n0 : n0 + VEC]
+                for i in range(VEC_U):
                     for e in range(DCOLS):
-                        acc[r, e] += q_r[r] * v_e[e]
+                        v_e[e] = smem[(n0 + i) * V_PITCH_U + v_col[e]]
+                    for r in range(ROWS):
+                        for e in range(DCOLS):
+                            acc[r, e] += q_v[r, i] * v_e[e]
             cuda.syncthreads()  # everyone is done with K_j, V_j (and its P) before the next load
 
         # Step 3: O_i = acc / l_i and lse_i = m_i + log l_i, written once.
@@ -222,7 +256,7 @@ def forward_kernel(cfg: TileConfig):
             if row < seqlen_q:
                 inv_l = acc_t(1) / l_row if l_row > 0 else zero
                 for e in range(DCOLS):
-                    d = tx + THREADS_X * e
+                    d = tx * DCOLS + e
                     if d < head_dim:
                         o[b, h, row, d] = to_out(acc[r, e] * inv_l)
                 if tx == 0:
@@ -239,35 +273,25 @@ def forward_kernel(cfg: TileConfig):
 def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR) -> TileConfig:
     """The tile configuration the API uses for this head dim and input type.
 
-    On the GPU: 128 threads (8 rows × 16 lanes), ``BLOCK_N = 64`` keys, and
-    ``BLOCK_M`` = 64 queries (32 when the per-thread accumulator or the shared
-    tiles would get too large: D > 128, or float64 with D > 64).  In the
-    simulator, where each CUDA thread is a Python thread, tiles are tiny.
+    Chosen by a sweep on the H200 (``benchmarks/forward_sweep.py --sweep``;
+    figures in ``benchmarks/results/``): 256 threads as 16 rows × 16 lanes,
+    ``BLOCK_M = 128`` queries and ``BLOCK_N = 64`` keys up to D = 128; for
+    D > 128 the accumulator ``acc`` (ROWS × D/16 per thread) would not fit in
+    registers, so ``BLOCK_M = 64``.  float64 tiles are halved to fit shared
+    memory.  In the simulator, where each CUDA thread is a Python thread,
+    tiles are tiny (8 × 8, 8 threads) so tests can still cross tile edges.
     """
     acc_kind = "float64" if input_kind == "float64" else "float32"
     if simulator:
         tx = 4
-        return TileConfig(
-            block_m=8,
-            block_n=8,
-            head_dim_pad=pad_head_dim(head_dim, tx),
-            threads_x=tx,
-            threads_y=2,
-            input_kind=input_kind,
-            acc_kind=acc_kind,
-        )
-    tx, ty = 16, 8
+        return TileConfig(8, 8, pad_head_dim(head_dim, tx), tx, 2, input_kind, acc_kind)
+    tx = 16
     d_pad = pad_head_dim(head_dim, tx)
-    big = d_pad > 128 or (acc_kind == "float64" and d_pad > 64)
-    return TileConfig(
-        block_m=32 if big else 64,
-        block_n=32 if (acc_kind == "float64" and d_pad > 128) else 64,
-        head_dim_pad=d_pad,
-        threads_x=tx,
-        threads_y=ty,
-        input_kind=input_kind,
-        acc_kind=acc_kind,
-    )
+    if acc_kind == "float32":
+        bm, bn, ty = (128, 64, 16) if d_pad <= 128 else (64, 32, 16)
+    else:
+        bm, bn, ty = (64, 32, 8) if d_pad <= 128 else (32, 32, 8)
+    return TileConfig(bm, bn, d_pad, tx, ty, input_kind, acc_kind)
 
 
 def can_implement(cfg: TileConfig) -> tuple[bool, str]:
