@@ -144,9 +144,10 @@ def sweep_configs(log, n=4096):
         o = cp.empty_like(q)
         lse = cp.empty((b, h, n), cp.float32)
         ref = nbflash.attention(q[:1, :2], k[:1, :2], v[:1, :2])
-        for bm, bn, tx, ty in [(64, 64, 16, 8), (128, 64, 16, 16), (64, 64, 8, 16), (128, 128, 16, 16),
-                               (64, 128, 16, 8), (128, 64, 8, 32), (128, 32, 8, 16), (64, 32, 8, 8)]:
-            cfg = TileConfig(bm, bn, pad_head_dim(d, tx), tx, ty, "float32")
+        for bm, bn, tx, ty, mb in [(128, 64, 16, 16, 0), (128, 64, 16, 16, 2), (64, 64, 16, 8, 2),
+                                   (64, 64, 16, 8, 3), (128, 32, 8, 16, 0), (128, 32, 8, 16, 2),
+                                   (64, 64, 8, 16, 2), (128, 128, 16, 16, 0), (64, 32, 16, 8, 4)]:
+            cfg = TileConfig(bm, bn, pad_head_dim(d, tx), tx, ty, "float32", min_blocks=mb)
             if shared_bytes(cfg) > 227 * 1024 or (bm // ty) * (pad_head_dim(d, tx) // tx) > 128:
                 continue
             for causal in (False, True):
@@ -165,9 +166,9 @@ def sweep_configs(log, n=4096):
                 local = [ov.local_mem_per_thread for ov in kern.overloads.values()]
                 tf = flops(b, h, n, d, causal) / ms / 1e9
                 rows.append(dict(d=d, n=n, causal=causal, block_m=bm, block_n=bn, threads_x=tx, threads_y=ty,
-                                 ms=ms, tflops=tf, regs=regs, local_bytes=local, smem=shared_bytes(cfg),
+                                 min_blocks=mb, ms=ms, tflops=tf, regs=regs, local_bytes=local, smem=shared_bytes(cfg),
                                  compile_s=compile_s, err=err))
-                log(f"sweep D={d:3d} causal={causal!s:5} BM={bm:3d} BN={bn:3d} T={tx}x{ty}: {ms:8.3f} ms "
+                log(f"sweep D={d:3d} causal={causal!s:5} BM={bm:3d} BN={bn:3d} T={tx}x{ty} minb={mb}: {ms:8.3f} ms "
                     f"{tf:6.2f} TFLOP/s regs={regs} local={local} smem={shared_bytes(cfg)} err={err:.1e}")
     return rows
 

@@ -83,7 +83,13 @@ def is_available() -> bool:
 
 
 def kernel(fn=None, **options):
-    """``cuda.jit`` for a kernel (used as a decorator inside kernel factories)."""
+    """``cuda.jit`` for a kernel (used as a decorator inside kernel factories).
+
+    ``launch_bounds=(threads, min_blocks)`` caps registers so that many blocks
+    fit on a multiprocessor; the simulator has no such option and ignores it.
+    """
+    if SIMULATOR or options.get("launch_bounds") is None:
+        options.pop("launch_bounds", None)
     if fn is None:
         return lambda f: cuda.jit(**options)(f)
     return cuda.jit(**options)(fn)
@@ -203,6 +209,53 @@ def max_dynamic_shared(dispatcher) -> list[int]:
         cufunc = overload._codelibrary.get_cufunc()
         out.append(int(driver.cuKernelGetAttribute(attr, cufunc.handle, cufunc.device.id)))
     return out
+
+
+class _SimArray:
+    """A strided NumPy view handed to a simulated kernel as it is.
+
+    The simulator copies each NumPy argument "to the device" and back, which it
+    can only do for contiguous arrays; a kernel only indexes its arrays and
+    reads their shape, so a view that forwards both works in place.
+    """
+
+    __slots__ = ("_a", "shape", "dtype")
+
+    def __init__(self, a):
+        self._a = a
+        self.shape = a.shape
+        self.dtype = a.dtype
+
+    def __getitem__(self, idx):
+        return self._a[idx]
+
+    def __setitem__(self, idx, value):
+        self._a[idx] = value
+
+
+def launch(dispatcher, grid, block, stream, shared_bytes: int, *args) -> None:
+    """Launch a kernel with ``shared_bytes`` of dynamic shared memory on ``stream``.
+
+    On the GPU the signature is compiled first (once), so the kernel's dynamic
+    shared-memory limit can be raised before its first launch.  In the
+    simulator, strided NumPy views are passed through in place.
+    """
+    if SIMULATOR:
+        args = tuple(
+            _SimArray(a) if hasattr(a, "flags") and not a.flags.c_contiguous and a.ndim > 0 else a for a in args
+        )
+        dispatcher[grid, block, 0, shared_bytes](*args)
+        return
+    sig = tuple(dispatcher.typeof_pyval(a) for a in args)
+    if sig not in dispatcher.overloads:
+        dispatcher.compile(sig)
+        set_max_dynamic_shared(dispatcher, shared_bytes_limit(shared_bytes))
+    dispatcher[grid, block, stream, shared_bytes](*args)
+
+
+def shared_bytes_limit(nbytes: int) -> int:
+    """The dynamic shared-memory limit a kernel needing ``nbytes`` is given."""
+    return max(nbytes, DEFAULT_SHARED_LIMIT)
 
 
 @contextlib.contextmanager

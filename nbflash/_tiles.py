@@ -40,6 +40,7 @@ class TileConfig:
     input_kind: str  # one of INPUT_KINDS
     acc_kind: str = "float32"  # accumulate and keep tiles in float32 (float64 for float64 inputs)
     trace: bool = False  # record m_i and l_i after every key tile (the teaching demo)
+    min_blocks: int = 0  # if > 0: launch bounds asking for this many resident blocks per SM
 
     def __post_init__(self):
         tx, ty = self.threads_x, self.threads_y
@@ -135,24 +136,37 @@ def make_tile_loader(cfg: TileConfig):
 
     The tile lands at ``dst[offset + r * pitch + d]``.
 
-    Consecutive threads read consecutive elements of a row, so a warp's loads
+    Consecutive lanes read consecutive elements of a row, so a warp's loads
     coalesce.  Rows past ``seqlen`` and columns past ``head_dim`` are filled
     with zeros: a padded element then adds nothing to any dot product, and no
     uninitialised value (possibly NaN) can reach an output.
     """
-    THREADS = cfg.threads
+    THREADS_X, THREADS_Y = cfg.threads_x, cfg.threads_y
     D_PAD = cfg.head_dim_pad
     to_acc = make_loader(cfg.input_kind, cfg.acc_kind)
     zero = numba_type(cfg.acc_kind)(0)
+    u64 = numba.uint64
 
     def load_tile(dst, offset, pitch, src, b, h, start, rows, seqlen, head_dim, tid):
-        for idx in range(tid, rows * D_PAD, THREADS):
-            r = idx // D_PAD
-            d = idx - r * D_PAD
-            if start + r < seqlen and d < head_dim:
-                dst[offset + r * pitch + d] = to_acc(src[b, h, start + r, d])
+        # Thread (ty, tx) copies rows ty, ty + THREADS_Y, ... and in each the
+        # columns tx, tx + THREADS_X, ...  Indices are unsigned so Numba adds no
+        # negative-index wraparound to each of the four global indices.
+        ty = tid // THREADS_X
+        tx = tid - ty * THREADS_X
+        b_u, h_u = u64(b), u64(h)
+        for r in range(ty, rows, THREADS_Y):
+            base = u64(offset) + u64(r) * u64(pitch)
+            row = start + r
+            if row < seqlen:
+                row_u = u64(row)
+                for d in range(tx, D_PAD, THREADS_X):
+                    if d < head_dim:
+                        dst[base + u64(d)] = to_acc(src[b_u, h_u, row_u, u64(d)])
+                    else:
+                        dst[base + u64(d)] = zero
             else:
-                dst[offset + r * pitch + d] = zero
+                for d in range(tx, D_PAD, THREADS_X):
+                    dst[base + u64(d)] = zero
 
     return device_function(load_tile)
 

@@ -43,13 +43,14 @@ from ._device import (
     SIMULATOR,
     cuda,
     kernel,
+    launch,
     max_shared_per_block,
     numba,
-    set_max_dynamic_shared,
     syncwarp,
 )
 from ._tiles import (
     LN2,
+    LOG2E,
     TileConfig,
     make_row_reducers,
     make_storer,
@@ -61,8 +62,12 @@ from .masking import d_key_range, d_row_key_end, d_tile_needs_mask
 
 
 def vector_width(cfg: TileConfig) -> int:
-    """Elements per 16-byte shared-memory load (4 floats, 2 doubles)."""
-    return 16 // cfg.acc_itemsize
+    """Elements per vector load from shared memory: 16 bytes (4 floats, 2 doubles) when the
+    tile widths allow it, else the largest power of two dividing ``head_dim_pad`` and ``block_n``."""
+    vec = 16 // cfg.acc_itemsize
+    while cfg.head_dim_pad % vec or cfg.block_n % vec:
+        vec //= 2
+    return vec
 
 
 def pitches(cfg: TileConfig) -> tuple[int, int, int, int]:
@@ -118,7 +123,8 @@ def forward_kernel(cfg: TileConfig):
     to_out = make_storer(cfg.input_kind)
     row_max, row_sum = make_row_reducers(THREADS_X)
 
-    @kernel(fastmath=cfg.acc_kind == "float32")
+    @kernel(fastmath=cfg.acc_kind == "float32",
+            launch_bounds=(cfg.threads, cfg.min_blocks) if cfg.min_blocks else None)
     def flash_forward(q, k, v, o, lse, qk_scale_log2, causal, trace):
         """One block: O_i and lse_i for BLOCK_M queries of one (batch, head)."""
         seqlen_q = q.shape[2]
@@ -274,24 +280,31 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
     """The tile configuration the API uses for this head dim and input type.
 
     Chosen by a sweep on the H200 (``benchmarks/forward_sweep.py --sweep``;
-    figures in ``benchmarks/results/``): 256 threads as 16 rows × 16 lanes,
-    ``BLOCK_M = 128`` queries and ``BLOCK_N = 64`` keys up to D = 128; for
-    D > 128 the accumulator ``acc`` (ROWS × D/16 per thread) would not fit in
-    registers, so ``BLOCK_M = 64``.  float64 tiles are halved to fit shared
-    memory.  In the simulator, where each CUDA thread is a Python thread,
-    tiles are tiny (8 × 8, 8 threads) so tests can still cross tile edges.
+    figures in ``benchmarks/results/``), fp32, N = 4096:
+
+    * D ≤ 64: 128 threads as 16 rows × 8 lanes, ``BLOCK_M = 128``,
+      ``BLOCK_N = 32``, launch bounds asking for 2 blocks per SM (24.8 TFLOP/s);
+    * D ≤ 128: 256 threads as 16 rows × 16 lanes, ``BLOCK_M = 128``,
+      ``BLOCK_N = 64`` (24.3 TFLOP/s);
+    * D > 128: the accumulator (ROWS × D/16 per thread) would not fit in
+      registers, so ``BLOCK_M = 64``, ``BLOCK_N = 32``.
+
+    float64 tiles are halved to fit shared memory.  In the simulator, where
+    each CUDA thread is a Python thread, tiles are tiny (8 × 8, 8 threads) so
+    the tests can still cross tile edges.
     """
     acc_kind = "float64" if input_kind == "float64" else "float32"
     if simulator:
-        tx = 4
-        return TileConfig(8, 8, pad_head_dim(head_dim, tx), tx, 2, input_kind, acc_kind)
-    tx = 16
-    d_pad = pad_head_dim(head_dim, tx)
-    if acc_kind == "float32":
-        bm, bn, ty = (128, 64, 16) if d_pad <= 128 else (64, 32, 16)
+        return TileConfig(8, 8, pad_head_dim(head_dim, 4), 4, 2, input_kind, acc_kind)
+    if acc_kind == "float64":
+        bm, bn, tx, ty, min_blocks = (64, 32, 16, 8, 0) if head_dim <= 128 else (32, 32, 16, 8, 0)
+    elif head_dim <= 64:
+        bm, bn, tx, ty, min_blocks = 128, 32, 8, 16, 2
+    elif head_dim <= 128:
+        bm, bn, tx, ty, min_blocks = 128, 64, 16, 16, 0
     else:
-        bm, bn, ty = (64, 32, 8) if d_pad <= 128 else (32, 32, 8)
-    return TileConfig(bm, bn, d_pad, tx, ty, input_kind, acc_kind)
+        bm, bn, tx, ty, min_blocks = 64, 32, 16, 16, 0
+    return TileConfig(bm, bn, pad_head_dim(head_dim, tx), tx, ty, input_kind, acc_kind, min_blocks=min_blocks)
 
 
 def can_implement(cfg: TileConfig) -> tuple[bool, str]:
@@ -314,16 +327,10 @@ def launch_forward(cfg: TileConfig, q, k, v, o, lse, scale: float, causal: bool,
     grid = (-(-seqlen_q // cfg.block_m), heads, batch)
     block = (cfg.threads_x, cfg.threads_y, 1)
     nbytes = shared_bytes(cfg)
-    kern = forward_kernel(cfg)
     if trace is None:
         trace = _dummy_trace(lse)
-    args = (q, k, v, o, lse, float(scale * (1.0 / math.log(2.0))), bool(causal), trace)
-    if not SIMULATOR:
-        sig = tuple(kern.typeof_pyval(a) for a in args)
-        if sig not in kern.overloads:
-            kern.compile(sig)
-            set_max_dynamic_shared(kern, nbytes)
-    kern[grid, block, stream, nbytes](*args)
+    args = (q, k, v, o, lse, float(scale * LOG2E), bool(causal), trace)
+    launch(forward_kernel(cfg), grid, block, stream, nbytes, *args)
 
 
 def _dummy_trace(like):
@@ -342,4 +349,35 @@ def _array_module(a):
     return numpy
 
 
-__all__ = ["can_implement", "choose_config", "forward_kernel", "launch_forward", "shared_bytes", "numba"]
+
+
+def api_configs() -> list[TileConfig]:
+    """Every configuration :func:`choose_config` can pick on a GPU (head dims 1..256, every input kind)."""
+    seen = {}
+    for kind in ("float16", "bfloat16", "float32", "float64"):
+        for d in range(1, 257):
+            cfg = choose_config(d, kind, simulator=False)
+            seen[cfg] = None
+    return list(seen)
+
+
+def kernel_signature(cfg: TileConfig):
+    """The Numba argument types of the forward kernel for ``cfg`` (any strides: layout 'A')."""
+    from numba import types
+
+    elem = {"float16": types.float16, "bfloat16": types.uint16, "float32": types.float32,
+            "float64": types.float64}[cfg.input_kind]
+    acc = numba_type(cfg.acc_kind)
+    tensor = types.Array(elem, 4, "A")
+    return (tensor, tensor, tensor, tensor, types.Array(acc, 3, "A"), types.float64, types.boolean,
+            types.Array(acc, 5, "A"))
+
+
+__all__ = ["api_configs", "can_implement", "choose_config", "forward_kernel", "kernel_signature", "launch_forward",
+           "shared_bytes"]
+
+
+def compile_targets():
+    """``(name, cfg, kernel, signature, fastmath)`` for every kernel the API can launch (the PTX check)."""
+    return [("flash_forward", cfg, forward_kernel(cfg), kernel_signature(cfg), cfg.acc_kind == "float32")
+            for cfg in api_configs()]
