@@ -12,8 +12,8 @@ kernel source runs on an NVIDIA GPU (CuPy arrays) and, with
 """
 
 from ._device import SIMULATOR, is_available
-from .api import attention
+from .api import attention, attention_backward
 
 __version__ = "0.1.0"
 
-__all__ = ["SIMULATOR", "attention", "is_available", "__version__"]
+__all__ = ["SIMULATOR", "attention", "attention_backward", "is_available", "__version__"]

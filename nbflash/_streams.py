@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 from ._device import SIMULATOR, cuda
@@ -22,3 +23,46 @@ def current_stream(xp):
         return 0
     ptr = xp.cuda.get_current_stream().ptr
     return _numba_stream(ptr) if ptr else 0
+
+
+def numba_stream_from_ptr(ptr: int):
+    """Numba stream for a raw CUDA stream handle, e.g. PyTorch's ``torch.cuda.current_stream().cuda_stream``.
+
+    ``0`` (the legacy default stream) stays ``0``.  Call it with the stream's
+    device current (see :func:`on_device`): Numba binds the wrapper to the
+    current context the first time a handle is seen.  The simulator has no
+    streams and always gets ``0``.
+    """
+    if SIMULATOR or not ptr:
+        return 0
+    return _numba_stream(int(ptr))
+
+
+@contextlib.contextmanager
+def on_device(index: int):
+    """Make GPU ``index`` Numba's current device for the block (kernels launch on the current device).
+
+    A no-op in the simulator.
+    """
+    if SIMULATOR:
+        yield
+        return
+    with cuda.gpus[index]:
+        yield
+
+
+def array_device(xp, a):
+    """A context in which kernels launch on the GPU holding ``a`` and CuPy allocates there.
+
+    Nothing to do (and nothing paid) when that GPU is already current, which
+    is the common single-GPU case.
+    """
+    if SIMULATOR or xp.__name__ == "numpy":
+        return contextlib.nullcontext()
+    index = a.device.id
+    if index == xp.cuda.runtime.getDevice():
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(xp.cuda.Device(index))
+    stack.enter_context(on_device(index))
+    return stack

@@ -78,6 +78,15 @@ LOG2E = 1.0 / math.log(2.0)  # log2(e): exp(x) = exp2(x * LOG2E)
 LN2 = math.log(2.0)
 
 
+def vector_width(cfg: TileConfig) -> int:
+    """Elements per vector load from shared memory: 16 bytes (4 floats, 2 doubles) when the
+    tile widths allow it, else the largest power of two dividing ``head_dim_pad`` and ``block_n``."""
+    vec = 16 // cfg.acc_itemsize
+    while cfg.head_dim_pad % vec or cfg.block_n % vec:
+        vec //= 2
+    return vec
+
+
 def make_loader(input_kind: str, acc_kind: str):
     """Device function: one element read from global memory, converted to the accumulator type."""
     acc_t = numba_type(acc_kind)
@@ -205,4 +214,5 @@ __all__ = [
     "make_tile_loader",
     "numba_type",
     "pad_head_dim",
+    "vector_width",
 ]

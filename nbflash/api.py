@@ -1,9 +1,12 @@
-"""The public entry points: :func:`attention` (and, from the backward module, its gradient)."""
+"""The public entry points: :func:`attention` and its gradient, :func:`attention_backward`."""
 
 from __future__ import annotations
 
-from ._streams import current_stream
-from ._validate import Problem, canonical, check_attention
+import numpy as np
+
+from . import backward as _bwd
+from ._streams import array_device, current_stream
+from ._validate import Problem, canonical, check_attention, check_device, check_like
 from .forward import choose_config, launch_forward
 
 
@@ -86,7 +89,80 @@ def forward_arrays(q, k, v, *, causal=False, scale=None, layout="bhsd", bf16_bit
     ``stream``: the Numba stream to launch on (default: CuPy's current stream).
     """
     p = check_attention(q, k, v, causal=causal, scale=scale, layout=layout, bf16_bits=bf16_bits)
-    return _forward(p, q, k, v, stream=stream)
+    with array_device(p.xp, q):
+        return _forward(p, q, k, v, stream=stream)
 
 
-__all__ = ["attention", "forward_arrays"]
+def attention_backward(do, q, k, v, o, lse, *, causal: bool = False, scale: float | None = None,
+                       layout: str = "bhsd", deterministic: bool = True):
+    """Gradients ``(dq, dk, dv)`` of :func:`attention` by recomputation (FlashAttention-2's backward).
+
+    Args:
+        do: gradient of the loss with respect to ``o``; shape, dtype and array
+            type of ``q`` (any view with a contiguous last axis).
+        q, k, v: the forward's inputs, as for :func:`attention`.
+        o: the forward's output, shape and dtype of ``q``.
+        lse: the forward's ``lse`` (``attention(..., return_lse=True)``), shape
+            ``(batch, heads, seqlen_q)``, float32 (float64 for float64 inputs).
+            A row with ``lse = -inf`` (it saw no key) gets zero gradients.
+        causal, scale, layout: exactly as given to the forward.
+        deterministic: ``True`` computes dq by its own query-parallel kernel
+            (the same bits on every run, S and P recomputed once more);
+            ``False`` adds dq with float32 (float64) atomics inside the dK/dV
+            kernel (one pass less, summation order varies between runs).  The
+            default will be set by measurement on an H200.
+
+    Returns:
+        ``(dq, dk, dv)``, new arrays with the dtype, layout and array type of
+        ``q``, ``k`` and ``v``.
+
+    Raises:
+        TypeError: wrong array type, dtype or flag type (the error names the argument).
+        ValueError: bad shapes, a non-contiguous last axis, anything :func:`attention` refuses.
+
+    The inputs are never modified.
+    """
+    return backward_arrays(do, q, k, v, o, lse, causal=causal, scale=scale, layout=layout,
+                           deterministic=deterministic)
+
+
+def backward_arrays(do, q, k, v, o, lse, *, causal=False, scale=None, layout="bhsd", deterministic=True,
+                    bf16_bits=False, stream=None):
+    """``(dq, dk, dv)`` — :func:`attention_backward` for bridges, with ``bf16_bits`` and ``stream``.
+
+    ``bf16_bits``: do, q, k, v, o (and then dq, dk, dv) are uint16 arrays
+    holding bfloat16 bits; ``lse`` stays float32.
+    ``stream``: the Numba stream to launch on (default: CuPy's current stream).
+    """
+    p = check_attention(q, k, v, causal=causal, scale=scale, layout=layout, bf16_bits=bf16_bits)
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    q_shape = (p.batch, p.heads, p.seqlen_q, p.head_dim)
+    check_like("do", do, q_shape, q.dtype, p.xp, layout)
+    check_like("o", o, q_shape, q.dtype, p.xp, layout)
+    check_like("lse", lse, (p.batch, p.heads, p.seqlen_q), p.lse_dtype, p.xp, layout)
+    check_device(("q", "do", "o", "lse"), (q, do, o, lse), p.xp)
+    xp = p.xp
+    with array_device(xp, q):
+        return _backward(p, do, q, k, v, o, lse, deterministic=bool(deterministic), stream=stream)
+
+
+def _backward(p: Problem, do, q, k, v, o, lse, *, deterministic: bool, stream):
+    """Allocate ``dq, dk, dv`` (in the caller's layout) and run the backward kernels."""
+    xp, layout = p.xp, p.layout
+    dq, dk, dv = (xp.empty(a.shape, dtype=a.dtype) for a in (q, k, v))  # C-contiguous, in the caller's layout
+    cfg = _bwd.choose_config(p.head_dim, p.input_kind)
+    _bwd.launch_backward(
+        cfg,
+        *(canonical(a, layout) for a in (q, k, v, o, do)),
+        lse,
+        *(canonical(a, layout) for a in (dq, dk, dv)),
+        p.scale,
+        p.causal,
+        deterministic=deterministic,
+        stream=current_stream(xp) if stream is None else stream,
+    )
+    return dq, dk, dv
+
+
+__all__ = ["attention", "attention_backward", "backward_arrays", "forward_arrays"]

@@ -57,17 +57,9 @@ from ._tiles import (
     make_tile_loader,
     numba_type,
     pad_head_dim,
+    vector_width,
 )
 from .masking import d_key_range, d_row_key_end, d_tile_needs_mask
-
-
-def vector_width(cfg: TileConfig) -> int:
-    """Elements per vector load from shared memory: 16 bytes (4 floats, 2 doubles) when the
-    tile widths allow it, else the largest power of two dividing ``head_dim_pad`` and ``block_n``."""
-    vec = 16 // cfg.acc_itemsize
-    while cfg.head_dim_pad % vec or cfg.block_n % vec:
-        vec //= 2
-    return vec
 
 
 def pitches(cfg: TileConfig) -> tuple[int, int, int, int]:

@@ -1,0 +1,454 @@
+"""The backward pass (nbflash.backward) against the float64 reference, its input checks, and its PTX.
+
+In the simulator the tiles are 8 × 8, so sequence lengths 1, 7 (prime), 9
+(just past a tile) and 17 cover single, partial and several tiles.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import nbflash
+from nbflash import backward as bw
+from nbflash._tiles import TileConfig
+from nbflash.api import backward_arrays
+from nbflash.reference import attention_backward_ref, attention_ref, causal_mask
+
+# ----------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------
+
+
+def _host(x):
+    """A NumPy copy of a NumPy or CuPy array."""
+    return x.get() if hasattr(x, "get") else np.array(x)
+
+
+def _inputs(rng, xp, B, H, Nq, Nk, D, dtype, *, causal=False, scale=None, layout="bhsd"):
+    """Random ``do, q, k, v`` and the forward's ``o`` (in ``dtype``) and ``lse``, in ``layout``.
+
+    ``o`` and ``lse`` come from the float64 reference, rounded the way the
+    forward kernel would store them, so these tests do not depend on it.
+    """
+    q, k, v = (rng.standard_normal((B, H, n, D)) for n in (Nq, Nk, Nk))
+    do = rng.standard_normal((B, H, Nq, D))
+    q, k, v, do = (x.astype(dtype) for x in (q, k, v, do))
+    o, lse = attention_ref(q, k, v, causal=causal, scale=scale)
+    o = o.astype(dtype)
+    lse = lse.astype(np.float64 if dtype == np.float64 else np.float32)
+    if layout == "bshd":
+        do, q, k, v, o = (x.transpose(0, 2, 1, 3).copy() for x in (do, q, k, v, o))
+    return tuple(xp.asarray(x) for x in (do, q, k, v, o)) + (xp.asarray(lse),)
+
+
+def _to_bhsd(x, layout):
+    x = _host(x)
+    return x if layout == "bhsd" else x.transpose(0, 2, 1, 3)
+
+
+def _reference(do, q, k, v, *, causal, scale=None, layout="bhsd"):
+    """float64 ``(dq, dk, dv)`` in the ``bhsd`` layout."""
+    args = (_to_bhsd(x, layout).astype(np.float64) for x in (do, q, k, v))
+    return attention_backward_ref(*args, causal=causal, scale=scale)
+
+
+def _naive_backward(do, q, k, v, *, causal, dtype):
+    """The textbook backward computed entirely in ``dtype`` (the flash-attn rule's baseline)."""
+    do, q, k, v = (np.asarray(x).astype(dtype) for x in (do, q, k, v))
+    scale = dtype(1.0 / math.sqrt(q.shape[-1]))
+    s = np.einsum("bhid,bhjd->bhij", q, k) * scale
+    if causal:
+        s = np.where(causal_mask(q.shape[2], k.shape[2]), s, dtype(-np.inf))
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, dtype(0))
+    p = np.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)
+    p = np.divide(p, l, out=np.zeros_like(p), where=l > 0)
+    o = np.einsum("bhij,bhjd->bhid", p, v)
+    dv = np.einsum("bhij,bhid->bhjd", p, do)
+    dp = np.einsum("bhid,bhjd->bhij", do, v)
+    ds = p * (dp - (do * o).sum(axis=-1, keepdims=True))
+    dq = np.einsum("bhij,bhjd->bhid", ds, k) * scale
+    dk = np.einsum("bhij,bhid->bhjd", ds, q) * scale
+    return dq, dk, dv
+
+
+def _max_err(a, b):
+    return float(np.max(np.abs(np.asarray(a, dtype=np.float64) - b)))
+
+
+# ----------------------------------------------------------------------------
+# Gradients against the reference
+# ----------------------------------------------------------------------------
+
+# (B, H, seqlen_q, seqlen_k, head_dim, causal)
+SHAPES = [
+    (1, 1, 1, 1, 8, False),  # one query, one key
+    (1, 1, 1, 1, 8, True),
+    (1, 2, 7, 7, 8, False),  # a prime: one partial tile
+    (2, 1, 9, 9, 8, True),  # just past a tile boundary
+    (1, 1, 17, 9, 40, False),  # seqlen_q != seqlen_k, head dim padded inside
+    (1, 1, 5, 13, 8, True),  # causal, fewer queries: the last query sees every key
+    (1, 1, 13, 5, 8, True),  # causal, more queries: rows 0..7 see no key
+    (1, 1, 17, 2, 3, True),  # whole query tiles that see no key
+    (1, 1, 9, 17, 64, True),
+]
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:5])) + ("-causal" if s[5] else ""))
+def test_float64_matches_reference(rng, xp, shape, deterministic):
+    B, H, Nq, Nk, D, causal = shape
+    do, q, k, v, o, lse = _inputs(rng, xp, B, H, Nq, Nk, D, np.float64, causal=causal)
+    dq, dk, dv = nbflash.attention_backward(do, q, k, v, o, lse, causal=causal, deterministic=deterministic)
+    ref = _reference(do, q, k, v, causal=causal)
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, strict=True):
+        assert got.dtype == np.float64 and got.shape == want.shape, name
+        got = _host(got)
+        assert np.all(np.isfinite(got)), name
+        assert _max_err(got, want) <= 1e-10 * (1 + np.abs(want).max()), name
+
+
+def test_rows_without_keys_get_zero_dq(rng, xp):
+    # Causal with seqlen_q = 13 > seqlen_k = 5: query i sees keys j <= i - 8.
+    do, q, k, v, o, lse = _inputs(rng, xp, 1, 2, 13, 5, 8, np.float32, causal=True)
+    assert np.all(np.isneginf(_host(lse)[:, :, :8]))
+    for deterministic in (True, False):
+        dq, dk, dv = nbflash.attention_backward(do, q, k, v, o, lse, causal=True, deterministic=deterministic)
+        dq, dk, dv = (_host(x) for x in (dq, dk, dv))
+        assert all(np.all(np.isfinite(x)) for x in (dq, dk, dv))
+        assert np.all(dq[:, :, :8] == 0)
+        assert np.any(dq[:, :, 8:] != 0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(9, 9), (7, 17), (17, 7)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_float32(rng, xp, seqlens, causal):
+    Nq, Nk = seqlens
+    do, q, k, v, o, lse = _inputs(rng, xp, 1, 2, Nq, Nk, 40, np.float32, causal=causal)
+    got = nbflash.attention_backward(do, q, k, v, o, lse, causal=causal)
+    ref = _reference(do, q, k, v, causal=causal)
+    for name, g, want in zip(("dq", "dk", "dv"), got, ref, strict=True):
+        assert g.dtype == np.float32, name
+        assert _max_err(_host(g), want) <= 2e-5 * (1 + np.abs(want).max()), name
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 2, 9, 9, 40, True), (1, 1, 17, 7, 64, False), (1, 1, 7, 17, 8, True)],
+    ids=lambda s: "x".join(map(str, s[:5])) + ("-causal" if s[5] else ""),
+)
+def test_float16_flash_attn_rule(rng, xp, shape, deterministic):
+    """Error at most twice that of a naive float16 computation (plus a little slack)."""
+    B, H, Nq, Nk, D, causal = shape
+    do, q, k, v, o, lse = _inputs(rng, xp, B, H, Nq, Nk, D, np.float16, causal=causal)
+    got = nbflash.attention_backward(do, q, k, v, o, lse, causal=causal, deterministic=deterministic)
+    ref = _reference(do, q, k, v, causal=causal)
+    naive = _naive_backward(*(_host(x) for x in (do, q, k, v)), causal=causal, dtype=np.float16)
+    for name, g, want, base in zip(("dq", "dk", "dv"), got, ref, naive, strict=True):
+        assert g.dtype == np.float16, name
+        err, naive_err = _max_err(_host(g), want), _max_err(base, want)
+        assert err <= 2 * naive_err + 1e-3, f"{name}: error {err:.2e}, naive float16 {naive_err:.2e}"
+
+
+def test_bfloat16_bits(rng, xp):
+    """The bridge's route: bfloat16 as uint16 bits in, bits out."""
+
+    def to_bits(x):  # round float32 to bfloat16, nearest even
+        u = np.asarray(x, dtype=np.float32).view(np.uint32)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+    def from_bits(b):
+        return (_host(b).astype(np.uint32) << 16).view(np.float32)
+
+    Nq, Nk, D = 9, 7, 8
+    q, k, v, do = (to_bits(rng.standard_normal((1, 1, n, D))) for n in (Nq, Nk, Nk, Nq))
+    qf, kf, vf, dof = (from_bits(x) for x in (q, k, v, do))
+    o, lse = attention_ref(qf, kf, vf, causal=True)
+    o, lse = to_bits(o), lse.astype(np.float32)
+    dq, dk, dv = backward_arrays(*(xp.asarray(x) for x in (do, q, k, v, o, lse)), causal=True, bf16_bits=True)
+    ref = attention_backward_ref(dof, qf, kf, vf, causal=True)
+    for name, g, want in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, strict=True):
+        assert g.dtype == np.uint16, name
+        assert _max_err(from_bits(g), want) <= 2e-2 * (1 + np.abs(want).max()), name
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bshd_layout_and_strided_views(rng, xp, causal):
+    B, H, Nq, Nk, D = 2, 3, 9, 7, 8
+    do, q, k, v, o, lse = _inputs(rng, xp, B, H, Nq, Nk, D, np.float64, causal=causal, layout="bshd")
+    ref = _reference(do, q, k, v, causal=causal, layout="bshd")
+    dq, dk, dv = nbflash.attention_backward(do, q, k, v, o, lse, causal=causal, layout="bshd")
+    for g, want in zip((dq, dk, dv), ref, strict=True):
+        assert g.shape == want.transpose(0, 2, 1, 3).shape
+        assert _max_err(_to_bhsd(g, "bshd"), want) <= 1e-10
+
+    # The same data as non-contiguous views (last axis still contiguous), in both layouts.
+    def widened(x):
+        w = xp.zeros(x.shape[:-1] + (2 * D,), dtype=x.dtype)
+        w[..., 3 : 3 + D] = x
+        return w[..., 3 : 3 + D]
+
+    views = [widened(x) for x in (do, q, k, v, o)]
+    assert not views[1].flags.c_contiguous
+    dq2, dk2, dv2 = nbflash.attention_backward(*views, lse, causal=causal, layout="bshd")
+    for g, g2 in zip((dq, dk, dv), (dq2, dk2, dv2), strict=True):
+        assert np.array_equal(_host(g), _host(g2))
+    bhsd_views = [x.transpose(0, 2, 1, 3) for x in views]  # bshd memory seen as bhsd: strided
+    dq3, dk3, dv3 = nbflash.attention_backward(*bhsd_views, lse, causal=causal)
+    for g, g3 in zip((dq, dk, dv), (dq3, dk3, dv3), strict=True):
+        assert g3.flags.c_contiguous
+        assert np.array_equal(_to_bhsd(g, "bshd"), _host(g3))
+
+
+def test_deterministic_and_atomic_agree(rng, xp):
+    do, q, k, v, o, lse = _inputs(rng, xp, 1, 2, 17, 9, 8, np.float32, causal=True)
+    first = nbflash.attention_backward(do, q, k, v, o, lse, causal=True, deterministic=True)
+    again = nbflash.attention_backward(do, q, k, v, o, lse, causal=True, deterministic=True)
+    atomic = nbflash.attention_backward(do, q, k, v, o, lse, causal=True, deterministic=False)
+    for a, b, c in zip(first, again, atomic, strict=True):
+        a, b, c = _host(a), _host(b), _host(c)
+        assert np.array_equal(a, b)  # bitwise repeatable
+        np.testing.assert_allclose(c, a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+def test_blocks_of_several_warps(rng, xp, deterministic):
+    """The API's simulator tiles fit in one warp; here 64 threads (two warps) share a tile.
+
+    A row of Pᵀ/dS stays within one warp (a warp barrier suffices) while the
+    atomic dQ step reads columns written by both warps (a block barrier).
+    """
+    tile = TileConfig(16, 16, 16, 8, 8, "float64", "float64")
+    cfg = bw.BackwardConfig(dkdv=tile, dq=tile)
+    Nq, Nk, D = 19, 23, 12
+    do, q, k, v, o, lse = _inputs(rng, xp, 1, 2, Nq, Nk, D, np.float64, causal=True)
+    dq, dk, dv = (xp.empty_like(x) for x in (q, k, v))
+    bw.launch_backward(cfg, q, k, v, o, do, lse, dq, dk, dv, 1 / math.sqrt(D), True, deterministic=deterministic)
+    ref = _reference(do, q, k, v, causal=True)
+    for g, want in zip((dq, dk, dv), ref, strict=True):
+        assert _max_err(_host(g), want) <= 1e-10 * (1 + np.abs(want).max())
+
+
+def test_head_dim_256(rng, xp):
+    do, q, k, v, o, lse = _inputs(rng, xp, 1, 1, 3, 5, 256, np.float64, causal=True, scale=0.3)
+    got = nbflash.attention_backward(do, q, k, v, o, lse, causal=True, scale=0.3)
+    ref = _reference(do, q, k, v, causal=True, scale=0.3)
+    for g, want in zip(got, ref, strict=True):
+        assert _max_err(_host(g), want) <= 1e-10 * (1 + np.abs(want).max())
+
+
+def test_with_the_forward_kernel(rng, xp):
+    """End to end: o and lse from nbflash.attention."""
+    q, k, v, do = (xp.asarray(rng.standard_normal((1, 2, n, 8)).astype(np.float32)) for n in (9, 11, 11, 9))
+    o, lse = nbflash.attention(q, k, v, causal=True, return_lse=True)
+    got = nbflash.attention_backward(do, q, k, v, o, lse, causal=True)
+    ref = _reference(do, q, k, v, causal=True)
+    for g, want in zip(got, ref, strict=True):
+        assert _max_err(_host(g), want) <= 2e-5 * (1 + np.abs(want).max())
+
+
+def test_inputs_not_modified(rng, xp):
+    args = _inputs(rng, xp, 1, 1, 9, 9, 8, np.float32, causal=True)
+    copies = [_host(a).copy() for a in args]
+    for deterministic in (True, False):
+        nbflash.attention_backward(*args, causal=True, deterministic=deterministic)
+        for a, c in zip(args, copies, strict=True):
+            assert np.array_equal(_host(a), c)
+
+
+# ----------------------------------------------------------------------------
+# Bad inputs: refused before anything runs
+# ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a kernel was launched for bad input")
+
+    monkeypatch.setattr(bw, "launch_backward", refuse)
+
+
+def _bad_cases(xp, rng):
+    do, q, k, v, o, lse = _inputs(rng, xp, 1, 2, 5, 6, 8, np.float32)
+    ok = dict(do=do, q=q, k=k, v=v, o=o, lse=lse)
+
+    def wide(x):  # last axis not contiguous
+        w = xp.zeros(x.shape[:-1] + (2 * x.shape[-1],), dtype=x.dtype)
+        return w[..., ::2]
+
+    cases = [
+        ("do", TypeError, dict(do=do.astype(np.float64))),
+        ("do", TypeError, dict(do=do.astype(np.float16))),
+        ("o", TypeError, dict(o=o.astype(np.float64))),
+        ("lse", TypeError, dict(lse=lse.astype(np.float64))),
+        ("lse", TypeError, dict(lse=lse.astype(np.float16))),
+        ("do", ValueError, dict(do=do[:, :, :4])),
+        ("o", ValueError, dict(o=o[:, :1])),
+        ("o", ValueError, dict(o=o[..., :4])),
+        ("lse", ValueError, dict(lse=lse[:, :, :4])),
+        ("lse", ValueError, dict(lse=lse[..., None])),
+        ("lse", ValueError, dict(lse=lse[0])),
+        ("do", ValueError, dict(do=wide(do))),
+        ("o", ValueError, dict(o=wide(o))),
+        ("q", ValueError, dict(q=wide(q))),
+        ("do", TypeError, dict(do=_host(do).tolist())),
+        ("o", TypeError, dict(o=None)),
+        ("lse", TypeError, dict(lse=_host(lse).tolist())),
+        ("q", TypeError, dict(q=_host(q).tolist())),
+        ("k", TypeError, dict(k=k.astype(np.float64))),
+        ("k and v", ValueError, dict(v=v[:, :, :3])),
+        ("q", ValueError, dict(q=q[0])),
+        (
+            "head dim",
+            ValueError,
+            dict(**{n: xp.zeros(a.shape[:-1] + (257,), dtype=a.dtype) for n, a in ok.items() if n != "lse"}),
+        ),
+    ]
+    flags = [
+        ("deterministic", TypeError, dict(deterministic="yes")),
+        ("causal", TypeError, dict(causal=1)),
+        ("layout", ValueError, dict(layout="sbhd")),
+        ("scale", ValueError, dict(scale=math.inf)),
+        ("scale", TypeError, dict(scale="0.5")),
+    ]
+    return ok, cases, flags
+
+
+def test_bad_inputs_name_the_argument(rng, xp, no_launch):
+    """Each error message starts with the offending argument's name."""
+    ok, cases, flags = _bad_cases(xp, rng)
+    order = ("do", "q", "k", "v", "o", "lse")
+    for name, exc, change in cases:
+        args = {**ok, **change}
+        with pytest.raises(exc, match=rf"^{name}\b"):
+            nbflash.attention_backward(*(args[n] for n in order))
+    for name, exc, kwargs in flags:
+        with pytest.raises(exc, match=rf"^{name}\b"):
+            nbflash.attention_backward(*(ok[n] for n in order), **kwargs)
+
+
+def test_float64_inputs_need_float64_lse(rng, xp, no_launch):
+    do, q, k, v, o, lse = _inputs(rng, xp, 1, 1, 3, 3, 8, np.float64)
+    with pytest.raises(TypeError, match="lse must have dtype float64"):
+        nbflash.attention_backward(do, q, k, v, o, lse.astype(np.float32))
+
+
+def test_torch_tensors_refused(rng, xp, no_launch):
+    torch = pytest.importorskip("torch")
+    do, q, k, v, o, lse = _inputs(rng, xp, 1, 1, 3, 3, 8, np.float32)
+    with pytest.raises(TypeError, match="do must be"):
+        nbflash.attention_backward(torch.zeros(tuple(do.shape)), q, k, v, o, lse)
+    with pytest.raises(TypeError, match="lse must be"):
+        nbflash.attention_backward(do, q, k, v, o, torch.zeros(tuple(lse.shape)))
+
+
+# ----------------------------------------------------------------------------
+# Configurations and the real GPU code
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("input_kind", ["float16", "bfloat16", "float32", "float64"])
+def test_gpu_configs_can_run(input_kind):
+    """Every head dim's configuration fits an H200 (227 KB of shared memory, 128 threads)."""
+    for head_dim in range(1, 257):
+        cfg = bw.choose_config(head_dim, input_kind, simulator=False)
+        ok, why = bw.can_implement(cfg)
+        assert ok, (head_dim, why)
+        assert max(bw.dkdv_shared_bytes(cfg.dkdv), bw.dq_shared_bytes(cfg.dq)) <= 227 * 1024
+        assert cfg.dkdv.threads == cfg.dq.threads == 128
+
+
+_PTX_SCRIPT = textwrap.dedent(
+    r"""
+    import json, re, sys, time
+    from nbflash import backward as bw
+    from nbflash._device import SIMULATOR, compile_ptx_offline
+    assert not SIMULATOR
+    try:
+        from cuda.bindings import nvjitlink
+    except ImportError:
+        nvjitlink = None
+
+    def ptxas(ptx):
+        # nvJitLink runs ptxas for sm_90 without a GPU; its log has registers and spills.
+        h = nvjitlink.create(2, ["-arch=sm_90", "-verbose"])
+        data = ptx.encode()
+        nvjitlink.add_data(h, nvjitlink.InputType.PTX, data, len(data), "kernel.ptx")
+        nvjitlink.complete(h)
+        log = bytearray(nvjitlink.get_info_log_size(h))
+        nvjitlink.get_info_log(h, log)
+        nvjitlink.destroy(h)
+        log = log.decode()
+        regs = int(re.search(r"[Uu]sed (\d+) registers", log).group(1))
+        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        return regs, int(spills.group(1)) + int(spills.group(2))
+
+    configs = []
+    for arg in sys.argv[1:]:
+        head_dim, kind = arg.split(":")
+        configs.append(bw.choose_config(int(head_dim), kind, simulator=False))
+    for name, tile, kern, sig, fastmath in bw.compile_targets(configs):
+        t = time.perf_counter()
+        ptx = compile_ptx_offline(kern.py_func, sig, cc=(9, 0), fastmath=fastmath)
+        seconds = time.perf_counter() - t
+        regs, spills = ptxas(ptx) if nvjitlink is not None else (None, None)
+        row = dict(kernel=name, config=f"D_PAD={tile.head_dim_pad} {tile.input_kind} {tile.block_m}x{tile.block_n}",
+                   seconds=round(seconds, 2), local=len(re.findall(r"\b(?:ld|st)\.local\b", ptx)),
+                   regs=regs, spill_bytes=spills, barriers=ptx.count("bar.sync"), entry=".entry" in ptx)
+        print(json.dumps(row), flush=True)
+    """
+)
+
+# (head dim, input kind) pairs compiled by test_kernels_compile_for_sm90; set
+# NBFLASH_PTX_ALL=1 to compile every head dim of 64/128/256 for every type.
+_PTX_CONFIGS = ["64:float32", "128:float16", "256:bfloat16", "64:float64", "256:float64"]
+_PTX_ALL = [f"{d}:{k}" for d in (64, 128, 256) for k in ("float32", "float16", "bfloat16", "float64")]
+
+
+def test_kernels_compile_for_sm90():
+    """Every backward kernel compiles with NVVM for sm_90, with no register array in local memory.
+
+    Runs in fresh processes without the simulator (no GPU needed).  Where
+    nvJitLink is installed, ptxas must also report no register spills.
+    """
+    configs = _PTX_ALL if os.environ.get("NBFLASH_PTX_ALL") else _PTX_CONFIGS
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    halves = [configs[0::2], configs[1::2]]  # two processes: NVVM is single-threaded
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _PTX_SCRIPT, *part],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for part in halves
+        if part
+    ]
+    results = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=900)
+        assert p.returncode == 0, stderr[-4000:]
+        results += [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 5 * len(configs)  # five kernels per configuration
+    for r in results:
+        print(r)
+        assert r["entry"], r
+        assert r["local"] == 0, f"{r['config']} {r['kernel']}: register arrays went to local memory"
+        if r["spill_bytes"] is not None:
+            assert r["spill_bytes"] == 0, f"{r['config']} {r['kernel']}: ptxas spilled registers ({r})"
+        if r["kernel"] in ("flash_backward_dkdv", "flash_backward_dq"):
+            assert r["barriers"] > 0, r
