@@ -1,4 +1,4 @@
-"""Forward pass on the GPU: correctness at real sizes, a tile-configuration sweep, and the comparison.
+"""fp32 SIMT kernels on the GPU: correctness at real sizes, a tile-configuration sweep, and the comparison.
 
 Run on a CUDA machine (it needs CuPy and PyTorch)::
 
@@ -236,6 +236,65 @@ def compare(log, seqlens, dims):
     return rows
 
 
+def compare_backward(log, seqlens, dims):
+    """Backward: nbflash (deterministic dQ pass and atomic dQ) vs SDPA efficient / math fp32 backward."""
+    rows = []
+    pool = cp.get_default_memory_pool()
+    for d in dims:
+        for causal in (False, True):
+            for n in seqlens:
+                b, h = max(16384 // n, 1), 2048 // d
+                tq, tk, tv, tdo = (torch.randn(b, h, n, d, device="cuda") for _ in range(4))
+                q, k, v, do = (cp.from_dlpack(t) for t in (tq, tk, tv, tdo))
+                f = 2.5 * flops(b, h, n, d, causal)
+                row = dict(d=d, n=n, b=b, h=h, causal=causal)
+                o, lse = nbflash.attention(q, k, v, causal=causal, return_lse=True)
+                for name, det in (("nbflash_det", True), ("nbflash_atomic", False)):
+                    nbflash.attention_backward(do, q, k, v, o, lse, causal=causal, deterministic=det)
+                    cp.cuda.Device().synchronize()
+                    pool.free_all_blocks()
+                    base = pool.total_bytes()
+                    nbflash.attention_backward(do, q, k, v, o, lse, causal=causal, deterministic=det)
+                    cp.cuda.Device().synchronize()
+                    row[f"{name}_mem"] = pool.total_bytes() - base
+                    ms = cuda_time_ms(lambda det=det: nbflash.attention_backward(
+                        do, q, k, v, o, lse, causal=causal, deterministic=det), reps=10)
+                    row[f"{name}_ms"], row[f"{name}_tflops"] = ms, f / ms / 1e9
+                for name, be in (("efficient", SDPBackend.EFFICIENT_ATTENTION), ("math", SDPBackend.MATH)):
+                    try:
+                        xq, xk, xv = (t.clone().requires_grad_() for t in (tq, tk, tv))
+                        with sdpa_kernel(be):
+                            out = F.scaled_dot_product_attention(xq, xk, xv, is_causal=causal)
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
+                        before = torch.cuda.memory_allocated()
+
+                        def bwd(out=out, xq=xq, xk=xk, xv=xv):
+                            return torch.autograd.grad(out, (xq, xk, xv), tdo, retain_graph=True)
+
+                        bwd()
+                        torch.cuda.synchronize()
+                        row[f"{name}_mem"] = torch.cuda.max_memory_allocated() - before
+                        ms = cuda_time_ms(bwd, reps=10)
+                        row[f"{name}_ms"], row[f"{name}_tflops"] = ms, f / ms / 1e9
+                        del out, xq, xk, xv
+                    except Exception as exc:
+                        row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+                    torch.cuda.empty_cache()
+                pool.free_all_blocks()
+                rows.append(row)
+
+                def g(key):
+                    return f"{row[key]:7.2f}" if key in row else "    n/a"
+
+                log(f"BWD D={d:3d} causal={causal!s:5} N={n:5d}: nbflash det {g('nbflash_det_tflops')} | atomic "
+                    f"{g('nbflash_atomic_tflops')} | efficient {g('efficient_tflops')} | math {g('math_tflops')} "
+                    f"TFLOP/s; mem MB det {row['nbflash_det_mem'] / 2**20:.0f} atomic "
+                    f"{row['nbflash_atomic_mem'] / 2**20:.0f} efficient {row.get('efficient_mem', 0) / 2**20:.0f} "
+                    f"math {row.get('math_mem', 0) / 2**20:.0f}")
+    return rows
+
+
 def environment():
     dev = cp.cuda.runtime.getDeviceProperties(0)
     try:
@@ -265,6 +324,8 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--backward", action="store_true", help="also time the backward pass")
+    ap.add_argument("--no-forward", action="store_true", help="skip the forward comparison")
     args = ap.parse_args()
     lines = []
 
@@ -280,8 +341,11 @@ def main():
     if args.sweep:
         result["sweep"] = sweep_configs(log)
     seqlens = [int(x) for x in args.seqlens.split(",") if x]
-    if seqlens:
-        result["compare"] = compare(log, seqlens, [int(x) for x in args.dims.split(",")])
+    dims = [int(x) for x in args.dims.split(",")]
+    if seqlens and not args.no_forward:
+        result["compare"] = compare(log, seqlens, dims)
+    if seqlens and args.backward:
+        result["compare_backward"] = compare_backward(log, seqlens, dims)
     os.makedirs(args.out, exist_ok=True)
     name = env["device"].replace(" ", "-")
     path = os.path.join(args.out, f"forward-{name}-{env['date']}.json")

@@ -245,7 +245,9 @@ def _flash_bwd(do, q, k, v, o, lse, causal: bool, scale: float | None, layout: s
     """``(dq, dk, dv)`` from the backward kernels, each contiguous in ``layout``."""
     names = ("do", "q", "k", "v", "o", "lse")
     _check_tensors(names, (do, q, k, v, o, lse), ("q", "k", "v", "o", "do"))
-    outs = _run(_api.backward_arrays, (do, q, k, v, o, lse), causal=causal, scale=scale, layout=layout)
+    # dq by atomics (fastest) unless the caller asked PyTorch for deterministic algorithms.
+    outs = _run(_api.backward_arrays, (do, q, k, v, o, lse), causal=causal, scale=scale, layout=layout,
+                deterministic=torch.are_deterministic_algorithms_enabled())
     # The fake implementation promises contiguous outputs; torch.compile relies on it.
     return tuple(x if x.is_contiguous() else x.contiguous() for x in outs)
 
@@ -371,9 +373,10 @@ def attention(
     output and the float32 log-sum-exp per query row, which is saved for the
     backward along with ``q, k, v, o``.  Backward: the softmax is recomputed
     tile by tile from that log-sum-exp — five matrix products to the forward's
-    two, plus two more because dq has its own kernel, which keeps the
-    gradients deterministic (the same bits on every run).  bfloat16 is read as raw bits: no conversion
-    pass.  Any view whose last axis is contiguous is read in place; a strided
+    two; dq is added with float32 atomics, so its last bits may differ from run
+    to run.  Under ``torch.use_deterministic_algorithms(True)`` dq gets its own
+    kernel instead (two more matrix products, the same bits on every run).
+    bfloat16 is read as raw bits: no conversion pass.  Any view whose last axis is contiguous is read in place; a strided
     last axis costs one copy (of that input, or of the incoming gradient).
     float64 runs at the GPU's float64 rate.  Gradients w.r.t. ``q, k, v`` only;
     no double backward.

@@ -58,7 +58,11 @@ def attention_ref(q, k, v, *, causal=False, scale=None, layout="bhsd", dtype=tor
     return o, lse
 
 
-def make_qkv(shape_q, shape_kv, dtype, *, device="cpu", requires_grad=False, seed=0):
+#: Where the bridge runs here: CPU tensors in the simulator, CUDA tensors on a GPU.
+DEV = "cpu" if nbflash.SIMULATOR else "cuda"
+
+
+def make_qkv(shape_q, shape_kv, dtype, *, device=DEV, requires_grad=False, seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     q, k, v = (torch.randn(s, generator=g, dtype=torch.float64) for s in (shape_q, shape_kv, shape_kv))
     return tuple(x.to(device=device, dtype=dtype).requires_grad_(requires_grad) for x in (q, k, v))
@@ -150,7 +154,7 @@ def test_gradients_match_float64_autograd(dtype, case, causal, layout):
     b, h, nq, nk, d = case
     q, k, v = make_qkv(*shapes(b, h, nq, nk, d, layout), dtype, requires_grad=True, seed=2)
     o = nbt.attention(q, k, v, causal=causal, layout=layout)
-    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(dtype)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(DEV, dtype)
     dq, dk, dv = grads(o, (q, k, v), do)
     assert [g.dtype for g in (dq, dk, dv)] == [dtype] * 3
     assert [g.shape for g in (dq, dk, dv)] == [q.shape, k.shape, v.shape]
@@ -228,9 +232,9 @@ def test_simulator_bridge_is_zero_copy(monkeypatch, dtype):
 def test_strided_inputs_and_gradients():
     """Packed-qkv slices go in as they are; a strided last axis is copied; so is an expanded ``do``."""
     b, n, h, d = 1, 6, 2, 3
-    qkv = torch.randn(b, n, 3, h, d, dtype=torch.float64)
+    qkv = torch.randn(b, n, 3, h, d, dtype=torch.float64, device=DEV)
     q = qkv[:, :, 0].requires_grad_()  # bshd view, last axis contiguous
-    k_t = torch.randn(b, n, h, d, dtype=torch.float64).transpose(-1, -2).contiguous().transpose(-1, -2)
+    k_t = torch.randn(b, n, h, d, dtype=torch.float64, device=DEV).transpose(-1, -2).contiguous().transpose(-1, -2)
     k = k_t.requires_grad_()  # last axis stride n*... != 1: copied by the bridge
     v = qkv[:, :, 2].requires_grad_()
     assert k.stride(-1) != 1
@@ -307,8 +311,8 @@ def no_launch(monkeypatch):
     monkeypatch.setattr(nbflash.api._bwd, "launch_backward", refuse)
 
 
-def _qkv(dtype=torch.float32, nq=3, nk=4, d=2):
-    return make_qkv((1, 1, nq, d), (1, 1, nk, d), dtype)
+def _qkv(dtype=torch.float32, nq=3, nk=4, d=2, device=DEV):
+    return make_qkv((1, 1, nq, d), (1, 1, nk, d), dtype, device=device)
 
 
 def test_error_not_a_tensor(no_launch):
@@ -331,7 +335,7 @@ def test_error_mixed_dtypes(no_launch):
 
 def test_error_mixed_devices(no_launch):
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match="v is on meta but q is on cpu"):
+    with pytest.raises(ValueError, match=f"v is on meta but q is on {DEV}"):
         nbt.attention(q, k, v.to("meta"))
 
 
@@ -349,7 +353,7 @@ def test_error_cuda_tensor_in_simulator(no_launch):
 def test_error_cpu_tensor_without_simulator(monkeypatch, no_launch):
     monkeypatch.setattr(nbt, "SIMULATOR", False)
     with pytest.raises(TypeError, match="nbflash.torch needs CUDA tensors; q is on cpu"):
-        nbt.attention(*_qkv())
+        nbt.attention(*_qkv(device="cpu"))
 
 
 @pytest.mark.parametrize(
@@ -426,17 +430,20 @@ def test_gpu_zero_copy_and_torch_owned_outputs(monkeypatch, dtype):
     o.record_stream(torch.cuda.Stream())  # works only on allocator-owned storage, must not raise
 
     do = torch.randn_like(o)
-    o.backward(do)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
     in_ptrs, out_ptrs, _ = bwd[0]
     assert in_ptrs[0] == do.data_ptr()
     assert in_ptrs[1:5] == [t.data_ptr() for t in (q, k, v, o)]
-    # dq, dk, dv are written by the kernels straight into the tensors autograd hands out
-    assert out_ptrs == [t.grad.data_ptr() for t in (q, k, v)]
+    # dq, dk, dv are written by the kernels straight into the tensors autograd returns.  (Accumulating
+    # into .grad of a strided leaf may copy: that is autograd's gradient-layout rule, not the bridge.)
+    assert out_ptrs == [t.data_ptr() for t in (dq, dk, dv)]
 
 
 @pytest.mark.gpu
-def test_gpu_runs_on_torch_current_stream():
+def test_gpu_runs_on_torch_current_stream(monkeypatch):
     """Launch on a side stream whose inputs are produced late: wrong-stream launches would read garbage."""
+    # Deterministic dq, so the two runs below can be compared bit for bit.
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     torch.manual_seed(0)
     b, h, n, d = 2, 4, 513, 64
     q0, k0, v0 = (torch.randn(b, h, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
@@ -529,3 +536,15 @@ def test_gpu_second_device():
     assert o.device == q.grad.device == torch.device("cuda", 1)
     o_ref, _ = attention_ref(q, k, v, causal=True)
     torch.testing.assert_close(o.double(), o_ref, atol=2e-3, rtol=0)
+
+
+def test_deterministic_follows_torch_setting(monkeypatch):
+    """dq by atomics by default; its own kernel under torch.use_deterministic_algorithms(True)."""
+    if not nbflash.SIMULATOR:
+        pytest.skip("spies on the NumPy bridge")
+    bwd = spy(monkeypatch, "backward_arrays")
+    q, k, v = make_qkv((1, 1, 5, 4), (1, 1, 6, 4), torch.float32, requires_grad=True)
+    for flag in (False, True):
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda flag=flag: flag)
+        nbt.attention(q, k, v, causal=True).sum().backward()
+    assert [call[2]["deterministic"] for call in bwd] == [False, True]
