@@ -180,6 +180,77 @@ def make_tile_loader(cfg: TileConfig):
     return device_function(load_tile)
 
 
+def make_mm_nt(rows: int, cols: int, depth: int, pitch: int, vec: int, acc_kind: str):
+    """Device function for one thread's piece of ``A Bᵀ``, both operands stored as rows in shared memory.
+
+    ``mm_nt(acc, smem, a_off, a_rows, b_off, b_rows)`` adds, for ``r < rows``, ``c < cols``::
+
+        acc[r, c] += Σ_{d < depth}  A[a_rows[r], d] · B[b_rows[c], d]
+
+    where row ``i`` of A starts at ``smem[a_off + i·pitch]`` (likewise B).  This
+    is ``S = Q_i K_jᵀ`` and ``dP = dO_i V_jᵀ``: a dot product of a query row
+    and a key row.  ``vec`` consecutive elements of each row are read at once
+    (one 16-byte load when ``vec·itemsize = 16``); every thread then does
+    ``rows·cols·vec`` FMAs per ``rows + cols`` loads.  Row indices are unsigned
+    (Numba adds a negative-index wraparound to every signed index).
+    """
+    acc_t = numba_type(acc_kind)
+    u64 = numba.uint64
+    DEPTH, PITCH, VEC = u64(depth), u64(pitch), u64(vec)
+
+    def mm_nt(acc, smem, a_off, a_rows, b_off, b_rows):
+        a_v = cuda.local.array((rows, vec), acc_t)
+        b_v = cuda.local.array((cols, vec), acc_t)
+        for d0 in range(0, DEPTH, VEC):
+            for r in range(rows):
+                for i in range(VEC):
+                    a_v[r, i] = smem[a_off + a_rows[r] * PITCH + d0 + i]
+            for c in range(cols):
+                for i in range(VEC):
+                    b_v[c, i] = smem[b_off + b_rows[c] * PITCH + d0 + i]
+            for i in range(VEC):
+                for r in range(rows):
+                    for c in range(cols):
+                        acc[r, c] += a_v[r, i] * b_v[c, i]
+
+    return device_function(mm_nt)
+
+
+def make_mm_nn(rows: int, cols: int, depth: int, a_pitch: int, b_pitch: int, vec: int, acc_kind: str):
+    """Device function for one thread's piece of ``A B``: rows of A times columns of B, from shared memory.
+
+    ``mm_nn(acc, smem, a_off, a_rows, b_off, b_cols)`` adds, for ``r < rows``, ``e < cols``::
+
+        acc[r, e] += Σ_{n < depth}  A[a_rows[r], n] · B[n, b_cols[e]]
+
+    with ``A[i, n] = smem[a_off + i·a_pitch + n]`` and ``B[n, j] =
+    smem[b_off + n·b_pitch + j]``.  This is ``acc += P V_j`` in the forward
+    and ``dV_j += Pᵀ dO_i``, ``dK_j += dSᵀ Q_i``, ``dQ_i += dS K_j`` in the
+    backward.  A is read ``vec`` elements at a time along its rows; a thread's
+    columns of B should be consecutive (``tx·cols + e``) so that they too are
+    read in vectors.
+    """
+    acc_t = numba_type(acc_kind)
+    u64 = numba.uint64
+    DEPTH, A_PITCH, B_PITCH, VEC = u64(depth), u64(a_pitch), u64(b_pitch), u64(vec)
+
+    def mm_nn(acc, smem, a_off, a_rows, b_off, b_cols):
+        a_v = cuda.local.array((rows, vec), acc_t)
+        b_e = cuda.local.array(cols, acc_t)
+        for n0 in range(0, DEPTH, VEC):
+            for r in range(rows):
+                for i in range(VEC):
+                    a_v[r, i] = smem[a_off + a_rows[r] * A_PITCH + n0 + i]
+            for i in range(VEC):
+                for e in range(cols):
+                    b_e[e] = smem[b_off + (n0 + i) * B_PITCH + b_cols[e]]
+                for r in range(rows):
+                    for e in range(cols):
+                        acc[r, e] += a_v[r, i] * b_e[e]
+
+    return device_function(mm_nn)
+
+
 def make_row_reducers(threads_x: int):
     """Device functions: max and sum of a value over the ``threads_x`` lanes that share a row.
 
@@ -209,6 +280,8 @@ __all__ = [
     "TileConfig",
     "cuda",
     "make_loader",
+    "make_mm_nn",
+    "make_mm_nt",
     "make_row_reducers",
     "make_storer",
     "make_tile_loader",

@@ -84,6 +84,8 @@ from ._tiles import (
     LOG2E,
     TileConfig,
     make_loader,
+    make_mm_nn,
+    make_mm_nt,
     make_row_reducers,
     make_storer,
     make_tile_loader,
@@ -316,11 +318,15 @@ def dkdv_kernel(cfg: TileConfig, atomic_dq: bool = False):
     K_OFF, V_OFF, Q_OFF, DO_OFF, P_OFF, DS_OFF, _ = (u64(x) for x in dkdv_shared_offsets(cfg))
     VEC = vector_width(cfg)
     D_PITCH, P_PITCH = u64(D_PAD + VEC), u64(BLOCK_M + VEC)
-    D_PAD_U, BLOCK_M_U, BLOCK_N_U, VEC_U = u64(D_PAD), u64(BLOCK_M), u64(BLOCK_N), u64(VEC)
+    BLOCK_N_U = u64(BLOCK_N)
     SMEM_ALIGN = None if SIMULATOR else 16  # 16-byte vector loads need 16-byte alignment
 
     load_tile = make_tile_loader(cfg)
     to_out = make_storer(cfg.input_kind)
+    # One thread's piece of each product: Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ (rows · rows over D),
+    # dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i (rows of Pᵀ, dSᵀ times columns of dO_i, Q_i).
+    mm_rows = make_mm_nt(ROWS, COLS, D_PAD, int(D_PITCH), VEC, cfg.acc_kind)
+    mm_cols = make_mm_nn(ROWS, DCOLS, BLOCK_M, int(P_PITCH), int(D_PITCH), VEC, cfg.acc_kind)
 
     @kernel(fastmath=cfg.acc_kind == "float32")
     def flash_backward_dkdv(q, k, v, do, lse2, delta, dk, dv, dq_accum, qk_scale_log2, scale, causal):
@@ -348,11 +354,7 @@ def dkdv_kernel(cfg: TileConfig, atomic_dq: bool = False):
         dV_j = cuda.local.array((ROWS, DCOLS), acc_t)
         S = cuda.local.array((ROWS, COLS), acc_t)  # Sᵀ, then Pᵀ
         dP = cuda.local.array((ROWS, COLS), acc_t)  # dPᵀ
-        a_v = cuda.local.array((ROWS, VEC), acc_t)  # a vector of K_j, V_j or Pᵀ per key row
-        b_v = cuda.local.array((ROWS, VEC), acc_t)  # a vector of dSᵀ per key row
-        c_v = cuda.local.array((COLS, VEC), acc_t)  # a vector of Q_i or dO_i per query column
-        do_e = cuda.local.array(DCOLS, acc_t)
-        q_e = cuda.local.array(DCOLS, acc_t)
+        k_e = cuda.local.array(DCOLS, acc_t)  # a row of K_j (step 1e)
         lse2_i = cuda.local.array(COLS, acc_t)  # of this thread's query columns
         D_i = cuda.local.array(COLS, acc_t)
         key_end = cuda.local.array(COLS, numba.int64)  # column c sees keys [0, key_end[c])
@@ -395,18 +397,7 @@ def dkdv_kernel(cfg: TileConfig, atomic_dq: bool = False):
                 for c in range(COLS):
                     S[r, c] = zero
                     dP[r, c] = zero
-            for d0 in range(0, D_PAD_U, VEC_U):
-                # VEC consecutive elements of each row: one 16-byte load each.
-                for r in range(ROWS):
-                    for j in range(VEC_U):
-                        a_v[r, j] = smem[K_OFF + key_row[r] * D_PITCH + d0 + j]
-                for c in range(COLS):
-                    for j in range(VEC_U):
-                        c_v[c, j] = smem[Q_OFF + query_row[c] * D_PITCH + d0 + j]
-                for j in range(VEC_U):
-                    for r in range(ROWS):
-                        for c in range(COLS):
-                            S[r, c] += a_v[r, j] * c_v[c, j]
+            mm_rows(S, smem, K_OFF, key_row, Q_OFF, query_row)
             # ... and Pᵀ = exp2(Sᵀ · scale · log2 e − lse2_i), 0 where the pair is invisible.
             masked = d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal)
             for r in range(ROWS):
@@ -419,17 +410,7 @@ def dkdv_kernel(cfg: TileConfig, atomic_dq: bool = False):
                     smem[P_OFF + key_row[r] * P_PITCH + query_row[c]] = p
 
             # Step 1c: dPᵀ = V_j dO_iᵀ, and dSᵀ = Pᵀ ∘ (dPᵀ − D_i).
-            for d0 in range(0, D_PAD_U, VEC_U):
-                for r in range(ROWS):
-                    for j in range(VEC_U):
-                        a_v[r, j] = smem[V_OFF + key_row[r] * D_PITCH + d0 + j]
-                for c in range(COLS):
-                    for j in range(VEC_U):
-                        c_v[c, j] = smem[DO_OFF + query_row[c] * D_PITCH + d0 + j]
-                for j in range(VEC_U):
-                    for r in range(ROWS):
-                        for c in range(COLS):
-                            dP[r, c] += a_v[r, j] * c_v[c, j]
+            mm_rows(dP, smem, V_OFF, key_row, DO_OFF, query_row)
             for r in range(ROWS):
                 for c in range(COLS):
                     smem[DS_OFF + key_row[r] * P_PITCH + query_row[c]] = S[r, c] * (dP[r, c] - D_i[c])
@@ -439,19 +420,8 @@ def dkdv_kernel(cfg: TileConfig, atomic_dq: bool = False):
                 syncwarp()  # a row of Pᵀ and of dSᵀ is written and read by the lanes of one warp
 
             # Step 1d: dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i.
-            for m0 in range(0, BLOCK_M_U, VEC_U):
-                for r in range(ROWS):
-                    for j in range(VEC_U):
-                        a_v[r, j] = smem[P_OFF + key_row[r] * P_PITCH + m0 + j]  # Pᵀ[key, m0 : m0 + VEC]
-                        b_v[r, j] = smem[DS_OFF + key_row[r] * P_PITCH + m0 + j]
-                for j in range(VEC_U):
-                    for e in range(DCOLS):
-                        do_e[e] = smem[DO_OFF + (m0 + j) * D_PITCH + d_col[e]]
-                        q_e[e] = smem[Q_OFF + (m0 + j) * D_PITCH + d_col[e]]
-                    for r in range(ROWS):
-                        for e in range(DCOLS):
-                            dV_j[r, e] += a_v[r, j] * do_e[e]
-                            dK_j[r, e] += b_v[r, j] * q_e[e]
+            mm_cols(dV_j, smem, P_OFF, key_row, DO_OFF, d_col)
+            mm_cols(dK_j, smem, DS_OFF, key_row, Q_OFF, d_col)
 
             if ATOMIC_DQ:
                 # Step 1e: dQ_i += dS K_j; here a thread owns query rows ty + THREADS_Y·r.
@@ -462,10 +432,10 @@ def dkdv_kernel(cfg: TileConfig, atomic_dq: bool = False):
                     for r in range(QROWS):
                         ds_m[r] = smem[DS_OFF + n * P_PITCH + u64(ty + THREADS_Y * r)]
                     for e in range(DCOLS):
-                        q_e[e] = smem[K_OFF + n * D_PITCH + d_col[e]]
+                        k_e[e] = smem[K_OFF + n * D_PITCH + d_col[e]]
                     for r in range(QROWS):
                         for e in range(DCOLS):
-                            dQ_part[r, e] += ds_m[r] * q_e[e]
+                            dQ_part[r, e] += ds_m[r] * k_e[e]
                 for r in range(QROWS):
                     row = q_start + ty + THREADS_Y * r
                     if row < seqlen_q:
@@ -508,11 +478,13 @@ def dq_kernel(cfg: TileConfig):
     Q_OFF, DO_OFF, K_OFF, V_OFF, DS_OFF, _ = (u64(x) for x in dq_shared_offsets(cfg))
     VEC = vector_width(cfg)
     D_PITCH, DS_PITCH = u64(D_PAD + VEC), u64(BLOCK_N + VEC)
-    D_PAD_U, BLOCK_N_U, VEC_U = u64(D_PAD), u64(BLOCK_N), u64(VEC)
     SMEM_ALIGN = None if SIMULATOR else 16  # 16-byte vector loads need 16-byte alignment
 
     load_tile = make_tile_loader(cfg)
     to_out = make_storer(cfg.input_kind)
+    # One thread's piece of each product: S = Q_i K_jᵀ and dP = dO_i V_jᵀ, then dQ_i += dS K_j.
+    mm_rows = make_mm_nt(ROWS, COLS, D_PAD, int(D_PITCH), VEC, cfg.acc_kind)
+    mm_cols = make_mm_nn(ROWS, DCOLS, BLOCK_N, int(DS_PITCH), int(D_PITCH), VEC, cfg.acc_kind)
 
     @kernel(fastmath=cfg.acc_kind == "float32")
     def flash_backward_dq(q, k, v, do, lse2, delta, dq, qk_scale_log2, scale, causal):
@@ -537,9 +509,6 @@ def dq_kernel(cfg: TileConfig):
         dQ_i = cuda.local.array((ROWS, DCOLS), acc_t)
         S = cuda.local.array((ROWS, COLS), acc_t)  # S, then P
         dP = cuda.local.array((ROWS, COLS), acc_t)
-        a_v = cuda.local.array((ROWS, VEC), acc_t)  # a vector of Q_i, dO_i or dS per query row
-        b_v = cuda.local.array((COLS, VEC), acc_t)  # a vector of K_j or V_j per key column
-        k_e = cuda.local.array(DCOLS, acc_t)
         lse2_i = cuda.local.array(ROWS, acc_t)
         D_i = cuda.local.array(ROWS, acc_t)
         key_end = cuda.local.array(ROWS, numba.int64)  # row r sees keys [0, key_end[r])
@@ -575,17 +544,7 @@ def dq_kernel(cfg: TileConfig):
                 for c in range(COLS):
                     S[r, c] = zero
                     dP[r, c] = zero
-            for d0 in range(0, D_PAD_U, VEC_U):
-                for r in range(ROWS):
-                    for i in range(VEC_U):
-                        a_v[r, i] = smem[Q_OFF + query_row[r] * D_PITCH + d0 + i]
-                for c in range(COLS):
-                    for i in range(VEC_U):
-                        b_v[c, i] = smem[K_OFF + key_row[c] * D_PITCH + d0 + i]
-                for i in range(VEC_U):
-                    for r in range(ROWS):
-                        for c in range(COLS):
-                            S[r, c] += a_v[r, i] * b_v[c, i]
+            mm_rows(S, smem, Q_OFF, query_row, K_OFF, key_row)
             # ... and P = exp2(S · scale · log2 e − lse2_i), 0 where the pair is invisible.
             masked = d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal)
             for r in range(ROWS):
@@ -596,33 +555,14 @@ def dq_kernel(cfg: TileConfig):
                     S[r, c] = p
 
             # dP = dO_i V_jᵀ, and dS = P ∘ (dP − D_i).
-            for d0 in range(0, D_PAD_U, VEC_U):
-                for r in range(ROWS):
-                    for i in range(VEC_U):
-                        a_v[r, i] = smem[DO_OFF + query_row[r] * D_PITCH + d0 + i]
-                for c in range(COLS):
-                    for i in range(VEC_U):
-                        b_v[c, i] = smem[V_OFF + key_row[c] * D_PITCH + d0 + i]
-                for i in range(VEC_U):
-                    for r in range(ROWS):
-                        for c in range(COLS):
-                            dP[r, c] += a_v[r, i] * b_v[c, i]
+            mm_rows(dP, smem, DO_OFF, query_row, V_OFF, key_row)
             for r in range(ROWS):
                 for c in range(COLS):
                     smem[DS_OFF + query_row[r] * DS_PITCH + key_row[c]] = S[r, c] * (dP[r, c] - D_i[r])
             syncwarp()  # a row of dS is written and read by the lanes of one warp
 
             # dQ_i += dS K_j.
-            for n0 in range(0, BLOCK_N_U, VEC_U):
-                for r in range(ROWS):
-                    for i in range(VEC_U):
-                        a_v[r, i] = smem[DS_OFF + query_row[r] * DS_PITCH + n0 + i]  # dS[row, n0 : n0 + VEC]
-                for i in range(VEC_U):
-                    for e in range(DCOLS):
-                        k_e[e] = smem[K_OFF + (n0 + i) * D_PITCH + d_col[e]]
-                    for r in range(ROWS):
-                        for e in range(DCOLS):
-                            dQ_i[r, e] += a_v[r, i] * k_e[e]
+            mm_cols(dQ_i, smem, DS_OFF, query_row, K_OFF, d_col)
             cuda.syncthreads()  # everyone is done with K_j, V_j and dS before the next load
 
         # dQ_i · scale, written once.  A row that sees no key keeps dQ_i = 0.

@@ -52,6 +52,8 @@ from ._tiles import (
     LN2,
     LOG2E,
     TileConfig,
+    make_mm_nn,
+    make_mm_nt,
     make_row_reducers,
     make_storer,
     make_tile_loader,
@@ -107,11 +109,14 @@ def forward_kernel(cfg: TileConfig):
     Q_OFF, K_OFF, V_OFF, P_OFF = (u64(x) for x in shared_offsets(cfg)[:4])
     NEG_INF = -math.inf
     VEC = vector_width(cfg)
-    D_PAD_U, BLOCK_N_U, VEC_U = u64(D_PAD), u64(BLOCK_N), u64(VEC)
     SMEM_ALIGN = None if SIMULATOR else 16  # 16-byte vector loads need 16-byte alignment
-    Q_PITCH_U, K_PITCH_U, V_PITCH_U, P_PITCH_U = u64(Q_PITCH), u64(K_PITCH), u64(V_PITCH), u64(P_PITCH)
+    P_PITCH_U = u64(P_PITCH)
+    assert Q_PITCH == K_PITCH
 
     load_tile = make_tile_loader(cfg)
+    # The two products, one thread's piece each: S = Q_i K_jᵀ and acc += P V_j.
+    mm_qk = make_mm_nt(ROWS, COLS, D_PAD, Q_PITCH, VEC, cfg.acc_kind)
+    mm_pv = make_mm_nn(ROWS, DCOLS, BLOCK_N, P_PITCH, V_PITCH, VEC, cfg.acc_kind)
     to_out = make_storer(cfg.input_kind)
     row_max, row_sum = make_row_reducers(THREADS_X)
 
@@ -141,29 +146,22 @@ def forward_kernel(cfg: TileConfig):
         l_i = cuda.local.array(ROWS, acc_t)  # this lane's share of the row sum
         acc = cuda.local.array((ROWS, DCOLS), acc_t)
         S = cuda.local.array((ROWS, COLS), acc_t)
-        q_v = cuda.local.array((ROWS, VEC), acc_t)  # a vector of Q_i (or of P) per row
-        k_v = cuda.local.array((COLS, VEC), acc_t)  # a vector of K_j per key
-        v_e = cuda.local.array(DCOLS, acc_t)
         m_tile = cuda.local.array(ROWS, acc_t)
         m_ref = cuda.local.array(ROWS, acc_t)
         alpha = cuda.local.array(ROWS, acc_t)
         key_end = cuda.local.array(ROWS, numba.int64)  # row r sees keys [0, key_end[r])
-        # Shared-memory offsets of this thread's rows and columns, unsigned:
-        # Numba adds a negative-index wraparound to every signed index, which
-        # would cost more instructions than the FMAs it feeds.
-        q_row = cuda.local.array(ROWS, u64)  # row ty + THREADS_Y·r of Q_i
-        p_row = cuda.local.array(ROWS, u64)  # the same row of P
-        p_col = cuda.local.array(COLS, u64)  # key tx + THREADS_X·c in a row of P
-        k_row = cuda.local.array(COLS, u64)  # the same key's row of K_j
-        v_col = cuda.local.array(DCOLS, u64)  # column tx·DCOLS + e of V_j (and of O)
+        # This thread's rows and columns, as unsigned shared-memory indices
+        # (Numba adds a negative-index wraparound to every signed index, which
+        # would cost more instructions than the FMAs it feeds).
+        q_row = cuda.local.array(ROWS, u64)  # query ty + THREADS_Y·r: a row of Q_i and of P
+        k_row = cuda.local.array(COLS, u64)  # key tx + THREADS_X·c: a row of K_j, a column of P
+        d_col = cuda.local.array(DCOLS, u64)  # column tx·DCOLS + e of V_j (and of O)
         for r in range(ROWS):
-            q_row[r] = Q_OFF + u64(ty + THREADS_Y * r) * Q_PITCH_U
-            p_row[r] = P_OFF + u64(ty + THREADS_Y * r) * P_PITCH_U
+            q_row[r] = u64(ty + THREADS_Y * r)
         for c in range(COLS):
-            p_col[c] = u64(tx + THREADS_X * c)
-            k_row[c] = K_OFF + u64(tx + THREADS_X * c) * K_PITCH_U
+            k_row[c] = u64(tx + THREADS_X * c)
         for e in range(DCOLS):
-            v_col[e] = V_OFF + u64(tx * DCOLS + e)
+            d_col[e] = u64(tx * DCOLS + e)
         zero = acc_t(0)
         scale_log2 = acc_t(qk_scale_log2)
         for r in range(ROWS):
@@ -184,19 +182,8 @@ def forward_kernel(cfg: TileConfig):
             # Step 2b: S = Q_i K_jᵀ, this thread's ROWS × COLS piece.
             for r in range(ROWS):
                 for c in range(COLS):
-                    S[r, c] = 0
-            for d0 in range(0, D_PAD_U, VEC_U):
-                # VEC consecutive elements of each row: one 16-byte load each.
-                for r in range(ROWS):
-                    for i in range(VEC_U):
-                        q_v[r, i] = smem[q_row[r] + d0 + i]
-                for c in range(COLS):
-                    for i in range(VEC_U):
-                        k_v[c, i] = smem[k_row[c] + d0 + i]
-                for i in range(VEC_U):
-                    for r in range(ROWS):
-                        for c in range(COLS):
-                            S[r, c] += q_v[r, i] * k_v[c, i]
+                    S[r, c] = zero
+            mm_qk(S, smem, Q_OFF, q_row, K_OFF, k_row)
 
             # Step 2c: online softmax, in base 2 (scores scaled by scale·log2 e).
             masked = d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal)
@@ -218,7 +205,7 @@ def forward_kernel(cfg: TileConfig):
                 p_sum = zero
                 for c in range(COLS):
                     p = math.exp2(S[r, c] - m_ref[r])
-                    smem[p_row[r] + p_col[c]] = p
+                    smem[P_OFF + q_row[r] * P_PITCH_U + k_row[c]] = p
                     p_sum += p
                 # The row sum stays split across the row's lanes until the end:
                 # alpha is the same on every lane, so the shares rescale alike.
@@ -235,16 +222,7 @@ def forward_kernel(cfg: TileConfig):
             syncwarp()  # a row of P is written and read by the lanes of one warp
 
             # Step 2d: acc += P V_j.
-            for n0 in range(0, BLOCK_N_U, VEC_U):
-                for r in range(ROWS):
-                    for i in range(VEC_U):
-                        q_v[r, i] = smem[p_row[r] + n0 + i]  # P[row, n0 : n0 + VEC]
-                for i in range(VEC_U):
-                    for e in range(DCOLS):
-                        v_e[e] = smem[(n0 + i) * V_PITCH_U + v_col[e]]
-                    for r in range(ROWS):
-                        for e in range(DCOLS):
-                            acc[r, e] += q_v[r, i] * v_e[e]
+            mm_pv(acc, smem, P_OFF, q_row, V_OFF, d_col)
             cuda.syncthreads()  # everyone is done with K_j, V_j (and its P) before the next load
 
         # Step 3: O_i = acc / l_i and lse_i = m_i + log l_i, written once.

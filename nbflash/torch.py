@@ -376,8 +376,9 @@ def attention(
     two; dq is added with float32 atomics, so its last bits may differ from run
     to run.  Under ``torch.use_deterministic_algorithms(True)`` dq gets its own
     kernel instead (two more matrix products, the same bits on every run).
-    bfloat16 is read as raw bits: no conversion pass.  Any view whose last axis is contiguous is read in place; a strided
-    last axis costs one copy (of that input, or of the incoming gradient).
+    bfloat16 is read as raw bits: no conversion pass.  Any view whose last
+    axis is contiguous is read in place; a strided last axis costs one copy
+    (of that input, or of the incoming gradient).
     float64 runs at the GPU's float64 rate.  Gradients w.r.t. ``q, k, v`` only;
     no double backward.
     """

@@ -64,7 +64,7 @@ def _compile_all(module):
     return rows
 
 
-@pytest.mark.parametrize("module", ["nbflash.forward"])
+@pytest.mark.parametrize("module", ["nbflash.forward", "nbflash.backward"])
 def test_every_configuration_compiles_to_ptx(module):
     pytest.importorskip("numba.cuda")
     rows = _compile_all(module)
