@@ -173,6 +173,46 @@ def sweep_configs(log, n=4096):
     return rows
 
 
+def sweep_backward_configs(log, n=4096):
+    """Time candidate fp32 backward tilings (dK/dV keys × queries, dQ queries × keys) at N = n."""
+    from nbflash import backward as bw
+
+    rows = []
+    candidates = {  # (dK/dV: keys, queries, tx, ty), (dQ: queries, keys, tx, ty)
+        64: [((64, 32, 16, 8), (64, 32, 16, 8)), ((64, 64, 16, 16), (128, 32, 16, 16)),
+             ((64, 32, 8, 16), (128, 32, 8, 16)), ((128, 32, 16, 16), (64, 64, 16, 8))],
+        128: [((32, 32, 16, 8), (64, 32, 16, 8)), ((64, 32, 16, 16), (128, 32, 16, 16)),
+              ((64, 64, 16, 16), (64, 32, 16, 8)), ((32, 64, 16, 8), (128, 32, 16, 16)),
+              ((64, 32, 8, 16), (64, 32, 8, 8))],
+    }
+    for d, cands in candidates.items():
+        b, h = 16384 // n, 2048 // d
+        q, k, v, do = (cp.random.standard_normal((b, h, n, d), dtype=cp.float32) for _ in range(4))
+        o, lse = nbflash.attention(q, k, v, return_lse=True)
+        dq, dk, dv = (cp.empty_like(q) for _ in range(3))
+        for (kk, kq, ktx, kty), (qq, qk, qtx, qty) in cands:
+            cfg = bw.BackwardConfig(
+                dkdv=TileConfig(kq, kk, pad_head_dim(d, ktx), ktx, kty, "float32"),
+                dq=TileConfig(qq, qk, pad_head_dim(d, qtx), qtx, qty, "float32"))
+            for det in (False, True):
+                for causal in (False, True):
+                    def run(cfg=cfg, det=det, causal=causal):
+                        bw.launch_backward(cfg, q, k, v, o, do, lse, dq, dk, dv, 1 / math.sqrt(d), causal,
+                                           deterministic=det)
+                    try:
+                        run()
+                        ms = cuda_time_ms(run, reps=5)
+                    except Exception as exc:
+                        log(f"bwd sweep D={d} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
+                        break
+                    tf = 2.5 * flops(b, h, n, d, causal) / ms / 1e9
+                    rows.append(dict(d=d, n=n, causal=causal, deterministic=det, dkdv=[kk, kq, ktx, kty],
+                                     dq=[qq, qk, qtx, qty], ms=ms, tflops=tf))
+                    log(f"bwd sweep D={d:3d} det={det!s:5} causal={causal!s:5} dKdV {kk}x{kq} T={ktx}x{kty} "
+                        f"dQ {qq}x{qk} T={qtx}x{qty}: {ms:8.3f} ms {tf:6.2f} TFLOP/s")
+    return rows
+
+
 def compare(log, seqlens, dims):
     """nbflash (fp32) vs SDPA efficient / math fp32 and naive CuPy; time and peak extra memory."""
     rows = []
@@ -297,10 +337,14 @@ def compare_backward(log, seqlens, dims):
 
 def environment():
     dev = cp.cuda.runtime.getDeviceProperties(0)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
+    # The device copy of the tree may have no git metadata: then NBFLASH_COMMIT says which commit it is.
+    commit = os.environ.get("NBFLASH_COMMIT", "")
+    if not commit:
+        try:
+            out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+            commit = out if len(out) == 40 else ""
+        except OSError:
+            pass
     import numba_cuda
 
     return dict(
@@ -312,7 +356,7 @@ def environment():
         cupy=cp.__version__,
         torch=torch.__version__,
         numpy=np.__version__,
-        commit=commit or os.environ.get("NBFLASH_COMMIT", ""),
+        commit=commit or "unknown",
         date=datetime.date.today().isoformat(),
     )
 
@@ -321,7 +365,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--no-check", action="store_true")
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="time candidate forward tilings")
+    ap.add_argument("--bwd-sweep", action="store_true", help="time candidate backward tilings")
     ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--backward", action="store_true", help="also time the backward pass")
@@ -340,6 +385,8 @@ def main():
         result["checks"] = check_correctness(log)
     if args.sweep:
         result["sweep"] = sweep_configs(log)
+    if args.bwd_sweep:
+        result["backward_sweep"] = sweep_backward_configs(log)
     seqlens = [int(x) for x in args.seqlens.split(",") if x]
     dims = [int(x) for x in args.dims.split(",")]
     if seqlens and not args.no_forward:
