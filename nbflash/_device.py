@@ -45,12 +45,19 @@ if "NUMBA_ENABLE_CUDASIM" not in os.environ and "numba" not in sys.modules and n
 
 import numba  # noqa: E402
 from numba import cuda  # noqa: E402
+from numba.cuda import cgutils  # noqa: E402
 from numba.cuda.core import config as _cuda_config  # noqa: E402
+
+# ``@intrinsic`` lets a kernel module emit inline PTX (see nbflash.intrinsics);
+# re-exported here so that module, too, needs nothing from numba.cuda directly.
+from numba.cuda.extending import intrinsic  # noqa: E402
 
 __all__ = [
     "SIMULATOR",
+    "cgutils",
     "cuda",
     "device_function",
+    "intrinsic",
     "kernel",
     "shfl_xor",
     "syncwarp",

@@ -1,0 +1,343 @@
+"""The FlashAttention forward pass on tensor cores: ``mma.sync`` tiles, ``cp.async`` double buffering.
+
+The same algorithm as the SIMT kernel of :mod:`nbflash.forward` (read that one
+first), with its two matrix products moved onto the tensor cores through the
+inline-PTX building blocks of :mod:`nbflash.intrinsics`.
+
+Shapes (every tensor indexed ``[batch, head, row, d]``; ``bshd`` arrives as a strided view)::
+
+    q   (B, H, N_q, D)      k, v  (B, H, N_k, D)      float16, or bfloat16 as raw uint16 bits
+    o   (B, H, N_q, D)      like q                     lse  (B, H, N_q)  float32
+
+Grid: one block per (query tile, head, batch); ``BLOCK_M // 16`` warps, warp
+``w`` owning the 16 query rows ``16w .. 16w + 15`` of the tile for the whole
+kernel, so no data crosses warps except through the shared K/V tiles.
+
+1. ``cp.async`` the tile Q_i and the first K_0, V_0 into shared memory (one group).
+2. For each visible key tile j (causal tiles above the diagonal are skipped):
+
+   a. start the copy of K_{j+1}, V_{j+1} into the other buffer, then wait for
+      tile j (``cp.async.wait_group 1``) — loads overlap the maths of tile j;
+   b. (first tile only) ``ldmatrix`` the warp's Q rows into A fragments that
+      stay in registers for the whole loop;
+   c. ``S = Q_i K_jᵀ``: 16 × BLOCK_N per warp, ``ldmatrix`` (no transpose) of K
+      rows gives the B fragments, one ``mma.m16n8k16`` per 16×8×16 piece;
+   d. online softmax on the accumulator fragments: each thread holds two rows
+      (g and g + 8) of S, and a row's other values sit in the 3 other lanes of
+      its quad — the row max is two ``shfl.bfly`` steps; masking through
+      :mod:`nbflash.masking`; exponentials base 2 with ``ex2.approx``;
+   e. ``O += P V_j``: the accumulator layout of S *is* the A-fragment layout
+      of P once packed to 16 bits (FlashAttention-2's register reuse: no
+      shuffle, no shared memory); ``ldmatrix.trans`` of V rows gives B.
+
+3. ``O_i = acc / l_i``, ``lse_i = m_i + log l_i`` written once.
+
+Constraints (:func:`can_implement`): ``D`` a multiple of 16 up to 128
+(:func:`choose_config` offers 64 and 128); q, k, v contiguous along ``D`` with
+rows 16-byte aligned (cp.async copies 16 bytes).  Shared memory per block
+(:func:`shared_bytes`), rows padded by 16 bytes so that ``ldmatrix``'s eight
+row addresses fall in different banks::
+
+    Q_i   BLOCK_M × (D + 8)                  2 bytes each
+    K_j   2 buffers × BLOCK_N × (D + 8)
+    V_j   2 buffers × BLOCK_N × (D + 8)      D=64: 64×64 tiles, 45 KB;  D=128: 64×32 tiles, 51 KB
+
+Status: correct in the simulator (tests/test_forward_tc.py) and compiles for
+sm_80/sm_90 without local memory; not yet measured on a GPU and not wired into
+:func:`nbflash.attention`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from . import intrinsics as I
+from ._device import SIMULATOR, cuda, device_function, kernel, launch, max_shared_per_block, numba, shfl_xor
+from ._tiles import LN2, LOG2E, make_storer
+from .masking import d_key_range, d_row_key_end, d_tile_needs_mask
+
+__all__ = ["TCConfig", "can_implement", "choose_config", "forward_tc_kernel", "kernel_signature", "launch_forward_tc",
+           "shared_bytes"]
+
+
+@dataclass(frozen=True)
+class TCConfig:
+    """Compile-time constants of the tensor-core forward kernel."""
+
+    block_m: int  # query rows per block: 16 per warp
+    block_n: int  # keys per K/V tile
+    head_dim: int  # D, a multiple of 16
+    input_kind: str  # "float16" or "bfloat16"
+
+    def __post_init__(self):
+        if self.block_m not in (16, 32, 64, 128):
+            raise ValueError(f"block_m must be 16, 32, 64 or 128 (16 rows per warp), got {self.block_m}")
+        if self.block_n <= 0 or self.block_n % 16:
+            raise ValueError(f"block_n must be a positive multiple of 16, got {self.block_n}")
+        if self.head_dim <= 0 or self.head_dim % 16 or self.head_dim > 128:
+            raise ValueError(f"head_dim must be a multiple of 16 up to 128, got {self.head_dim}")
+        if self.input_kind not in ("float16", "bfloat16"):
+            raise ValueError(f"input_kind must be 'float16' or 'bfloat16', got {self.input_kind!r}")
+
+    @property
+    def warps(self) -> int:
+        return self.block_m // 16
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def pitch(self) -> int:
+        """Row pitch of the shared tiles (elements): D plus one 16-byte chunk against bank conflicts."""
+        return self.head_dim + 8
+
+
+def shared_offsets(cfg: TCConfig) -> tuple[int, int, int]:
+    """Element offsets of the two K buffers and of the two V buffers (Q_i starts at 0), and the end."""
+    q_off = 0
+    k_off = q_off + cfg.block_m * cfg.pitch  # Q_i
+    v_off = k_off + 2 * cfg.block_n * cfg.pitch  # K_j, two buffers
+    end = v_off + 2 * cfg.block_n * cfg.pitch  # V_j, two buffers
+    return k_off, v_off, end
+
+
+def shared_bytes(cfg: TCConfig) -> int:
+    """Dynamic shared memory of one block (bytes)."""
+    return shared_offsets(cfg)[-1] * 2
+
+
+@functools.cache
+def forward_tc_kernel(cfg: TCConfig):
+    """The compiled tensor-core forward kernel for one configuration (cached)."""
+    BLOCK_M, BLOCK_N, D = cfg.block_m, cfg.block_n, cfg.head_dim
+    THREADS, PITCH = cfg.threads, cfg.pitch
+    K_OFF, V_OFF, _ = shared_offsets(cfg)
+    KV_STRIDE = BLOCK_N * PITCH  # elements from one K (or V) buffer to the other
+    CHUNKS = D // 8  # 16-byte chunks per row
+    N_TILES = BLOCK_N // 8  # 8-key column tiles of S
+    D_TILES = D // 8  # 8-wide column tiles of O
+    K_STEPS = D // 16  # k-steps of Q K^T
+    PV_STEPS = BLOCK_N // 16  # k-steps of P V
+    NEG_INF = -math.inf
+    FULL = 0xFFFFFFFF
+    SMEM_ALIGN = None if SIMULATOR else 16
+    mma = I.mma_m16n8k16_f16 if cfg.input_kind == "float16" else I.mma_m16n8k16_bf16
+    pack = I.pack_f16x2 if cfg.input_kind == "float16" else I.pack_bf16x2
+    to_out = make_storer(cfg.input_kind)
+
+    def load_tile(smem, offset, src, b, h, start, seqlen, tid, ROWS):
+        """cp.async rows [start, start + ROWS) of src[b, h] to smem[offset + r·PITCH]; rows past seqlen zero-filled."""
+        for c in range(tid, ROWS * CHUNKS, THREADS):
+            r = c // CHUNKS
+            col = (c % CHUNKS) * 8
+            row = start + r
+            nbytes = 16 if row < seqlen else 0
+            row = min(row, seqlen - 1)  # a valid address even when nothing is read
+            I.cp_async_16(smem, offset + r * PITCH + col, src, (b, h, row, col), nbytes)
+
+    load_tile = device_function(load_tile)
+
+    @kernel(fastmath=True)
+    def flash_forward_tc(q, k, v, o, lse, qk_scale_log2, causal):
+        """One block: O_i and lse_i for BLOCK_M queries of one (batch, head)."""
+        seqlen_q = q.shape[2]
+        seqlen_k = k.shape[2]
+        q_start = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BLOCK_M  # longest causal rows first
+        h = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4  # this thread's rows of every fragment: g and g + 8 ...
+        t = lane % 4  # ... and columns 2t, 2t + 1 of every 8-column tile
+        smem = cuda.shared.array(0, numba.uint16, alignment=SMEM_ALIGN)
+
+        qf = cuda.local.array((K_STEPS, 4), numba.uint32)  # Q A-fragments, one set per k-step
+        S = cuda.local.array((N_TILES, 4), numba.float32)  # S (then P) accumulators
+        acc = cuda.local.array((D_TILES, 4), numba.float32)  # O accumulators
+        m_i = cuda.local.array(2, numba.float32)  # rows g, g + 8: running max (base-2 scaled) ...
+        l_i = cuda.local.array(2, numba.float32)  # ... and this lane's share of the running sum
+        key_end = cuda.local.array(2, numba.int64)  # row sees keys [0, key_end)
+        for r in range(2):
+            m_i[r] = NEG_INF
+            l_i[r] = 0
+            key_end[r] = d_row_key_end(q_start + 16 * warp + g + 8 * r, seqlen_q, seqlen_k, causal)
+        for j in range(D_TILES):
+            for i in range(4):
+                acc[j, i] = 0
+        scale_log2 = numba.float32(qk_scale_log2)
+
+        # Step 1: Q_i and the first K/V tile, one cp.async group.
+        _, k_end = d_key_range(q_start, BLOCK_M, seqlen_q, seqlen_k, causal)
+        n_tiles = (k_end + BLOCK_N - 1) // BLOCK_N
+        load_tile(smem, 0, q, b, h, q_start, seqlen_q, tid, BLOCK_M)
+        if n_tiles > 0:
+            load_tile(smem, K_OFF, k, b, h, 0, seqlen_k, tid, BLOCK_N)
+            load_tile(smem, V_OFF, v, b, h, 0, seqlen_k, tid, BLOCK_N)
+        I.cp_async_commit()
+
+        # ldmatrix addresses of this lane inside a 16×16 tile (see nbflash.intrinsics).
+        a_row, a_col = I.d_ldmatrix_x4_a_address(lane)  # Q rows (A), and V rows (.trans → B)
+        bt_row, bt_col = I.d_ldmatrix_x4_bt_address(lane)  # K rows (→ B of S = Q Kᵀ)
+
+        for j in range(n_tiles):
+            k_start = j * BLOCK_N
+            buf = j % 2
+            # Step 2a: prefetch tile j + 1 into the other buffer, then wait for tile j.
+            if j + 1 < n_tiles:
+                load_tile(smem, K_OFF + (1 - buf) * KV_STRIDE, k, b, h, k_start + BLOCK_N, seqlen_k, tid, BLOCK_N)
+                load_tile(smem, V_OFF + (1 - buf) * KV_STRIDE, v, b, h, k_start + BLOCK_N, seqlen_k, tid, BLOCK_N)
+            I.cp_async_commit()  # possibly empty: keeps "wait for all but the newest group" uniform
+            I.cp_async_wait(1)
+            cuda.syncthreads()  # every thread's copies of tile j (and Q) are visible
+
+            # Step 2b: the warp's 16 rows of Q into registers, once.
+            if j == 0:
+                for kk in range(K_STEPS):
+                    f = I.ldmatrix_x4(smem, (16 * warp + a_row) * PITCH + 16 * kk + a_col)
+                    for i in range(4):
+                        qf[kk, i] = f[i]
+
+            # Step 2c: S = Q_i K_jᵀ (16 × BLOCK_N per warp), 16 keys per ldmatrix.
+            k_base = K_OFF + buf * KV_STRIDE
+            for n in range(N_TILES):
+                for i in range(4):
+                    S[n, i] = 0
+            for n2 in range(N_TILES // 2):
+                for kk in range(K_STEPS):
+                    kb = I.ldmatrix_x4(smem, k_base + (16 * n2 + bt_row) * PITCH + 16 * kk + bt_col)
+                    for half in range(2):
+                        n = 2 * n2 + half
+                        d = mma(qf[kk, 0], qf[kk, 1], qf[kk, 2], qf[kk, 3], kb[2 * half], kb[2 * half + 1],
+                                S[n, 0], S[n, 1], S[n, 2], S[n, 3])
+                        for i in range(4):
+                            S[n, i] = d[i]
+
+            # Step 2d: online softmax, base 2.  Value i of tile n is row g + 8(i >> 1), key 8n + 2t + (i & 1).
+            masked = d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal)
+            for r in range(2):
+                m_tile = NEG_INF
+                for n in range(N_TILES):
+                    for c in range(2):
+                        s = S[n, 2 * r + c] * scale_log2
+                        if masked and k_start + 8 * n + 2 * t + c >= key_end[r]:
+                            s = NEG_INF  # invisible: past the ragged end, or above the diagonal
+                        S[n, 2 * r + c] = s
+                        m_tile = max(m_tile, s)
+                m_tile = max(m_tile, shfl_xor(FULL, m_tile, 1))  # the row's quad: lanes 4g .. 4g + 3
+                m_tile = max(m_tile, shfl_xor(FULL, m_tile, 2))
+                m_new = max(m_i[r], m_tile)
+                m_ref = m_new if m_new != NEG_INF else numba.float32(0)  # a row with no key yet keeps P = 0
+                alpha = I.ex2_approx(m_i[r] - m_ref)
+                m_i[r] = m_new
+                p_sum = numba.float32(0)
+                for n in range(N_TILES):
+                    for c in range(2):
+                        p = I.ex2_approx(S[n, 2 * r + c] - m_ref)
+                        S[n, 2 * r + c] = p
+                        p_sum += p
+                l_i[r] = alpha * l_i[r] + p_sum  # reduced over the quad only at the end
+                for dt in range(D_TILES):
+                    acc[dt, 2 * r] *= alpha
+                    acc[dt, 2 * r + 1] *= alpha
+
+            # Step 2e: O += P V_j.  P's A-fragment for keys 16kk..16kk+15 is S tiles 2kk, 2kk+1 packed.
+            v_base = V_OFF + buf * KV_STRIDE
+            for kk in range(PV_STEPS):
+                pa0 = pack(S[2 * kk, 0], S[2 * kk, 1])  # row g,     keys 2t, 2t+1
+                pa1 = pack(S[2 * kk, 2], S[2 * kk, 3])  # row g + 8, keys 2t, 2t+1
+                pa2 = pack(S[2 * kk + 1, 0], S[2 * kk + 1, 1])  # row g,     keys 8 + 2t, 8 + 2t + 1
+                pa3 = pack(S[2 * kk + 1, 2], S[2 * kk + 1, 3])  # row g + 8, keys 8 + 2t, 8 + 2t + 1
+                for d2 in range(D_TILES // 2):
+                    vb = I.ldmatrix_x4_trans(smem, v_base + (16 * kk + a_row) * PITCH + 16 * d2 + a_col)
+                    for half in range(2):
+                        dt = 2 * d2 + half
+                        d = mma(pa0, pa1, pa2, pa3, vb[2 * half], vb[2 * half + 1],
+                                acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3])
+                        for i in range(4):
+                            acc[dt, i] = d[i]
+            cuda.syncthreads()  # everyone is done with buffer `buf` before iteration j + 1 refills it
+
+        I.cp_async_wait_all()  # nothing left in flight (only Q's group when no key tile was visible)
+
+        # Step 3: O_i = acc / l_i, lse_i = m_i + log l_i.
+        for r in range(2):
+            row = q_start + 16 * warp + g + 8 * r
+            l_row = l_i[r]
+            l_row += shfl_xor(FULL, l_row, 1)
+            l_row += shfl_xor(FULL, l_row, 2)
+            if row < seqlen_q:
+                inv_l = numba.float32(1) / l_row if l_row > 0 else numba.float32(0)
+                for dt in range(D_TILES):
+                    for c in range(2):
+                        o[b, h, row, 8 * dt + 2 * t + c] = to_out(acc[dt, 2 * r + c] * inv_l)
+                if t == 0:
+                    lse[b, h, row] = m_i[r] * LN2 + math.log(l_row) if l_row > 0 else NEG_INF
+
+    return flash_forward_tc
+
+
+# ----------------------------------------------------------------------------
+# Configuration and launch
+# ----------------------------------------------------------------------------
+
+
+def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR) -> TCConfig:
+    """A starting configuration (not yet tuned on a GPU): 4 warps × 16 query rows.
+
+    Key tiles are 64 wide for D = 64 and 32 wide for D = 128: the largest for
+    which NVVM unrolls every fragment loop, so S, P, O and the Q fragments stay
+    in registers (64 × 64 at D = 128 leaves them in local memory).  In the
+    simulator, 2 warps and 16-key tiles keep the Python threads few while small
+    sequences still cross tile edges.
+    """
+    if simulator:
+        return TCConfig(32, 16, head_dim, input_kind)
+    if head_dim not in (64, 128):
+        raise ValueError(f"the tensor-core forward supports head_dim 64 or 128, got {head_dim}")
+    return TCConfig(64, 64 if head_dim == 64 else 32, head_dim, input_kind)
+
+
+def can_implement(cfg: TCConfig, *arrays) -> tuple[bool, str]:
+    """Will this configuration launch on these arrays (q, k, v, o)?  ``(ok, reason)``."""
+    need = shared_bytes(cfg)
+    limit = max_shared_per_block()
+    if need > limit:
+        return False, f"needs {need} bytes of shared memory per block, the device allows {limit}"
+    for name, a in zip("qkvo", arrays, strict=False):
+        if a.shape[-1] != cfg.head_dim:
+            return False, f"{name} has head dim {a.shape[-1]}, the configuration {cfg.head_dim}"
+        if a.strides[-1] != 2:
+            return False, f"{name} must be contiguous along the head dim (cp.async copies 16-byte rows)"
+        if any(s % 16 for s in a.strides[:-1]):
+            return False, f"{name}'s strides {a.strides} are not multiples of 16 bytes"
+    return True, ""
+
+
+def launch_forward_tc(cfg: TCConfig, q, k, v, o, lse, scale: float, causal: bool, stream=0):
+    """Launch the tensor-core forward on canonical ``(B, H, N, D)`` views (float16, or bfloat16 as uint16)."""
+    ok, why = can_implement(cfg, q, k, v, o)
+    if not ok:
+        raise ValueError(f"tensor-core forward configuration {cfg} cannot run: {why}")
+    batch, heads, seqlen_q, _ = q.shape
+    grid = (-(-seqlen_q // cfg.block_m), heads, batch)
+    args = (q, k, v, o, lse, float(scale * LOG2E), bool(causal))
+    launch(forward_tc_kernel(cfg), grid, (cfg.threads, 1, 1), stream, shared_bytes(cfg), *args)
+
+
+def kernel_signature(cfg: TCConfig):
+    """The Numba argument types of the kernel for ``cfg`` (any strides: layout 'A')."""
+    from numba import types
+
+    elem = types.float16 if cfg.input_kind == "float16" else types.uint16
+    tensor = types.Array(elem, 4, "A")
+    return (tensor, tensor, tensor, tensor, types.Array(types.float32, 3, "A"), types.float64, types.boolean)
+
+
+def compile_targets():
+    """``(name, cfg, kernel, signature, fastmath)`` for the GPU configurations (the PTX check)."""
+    cfgs = [choose_config(d, kind, simulator=False) for d in (64, 128) for kind in ("float16", "bfloat16")]
+    return [("flash_forward_tc", cfg, forward_tc_kernel(cfg), kernel_signature(cfg), True) for cfg in cfgs]

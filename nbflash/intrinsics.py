@@ -1,0 +1,725 @@
+"""Tensor-core building blocks: ``mma.sync``, ``ldmatrix``, ``cp.async`` and packed conversions.
+
+Numba has no API for the warp-level matrix instructions, so each one here is an
+``@intrinsic`` whose code generator emits the PTX instruction as inline
+assembly (``llvmlite.ir.InlineAsm``) and hands its results back as a Numba
+tuple.  Kernels call them like any device function::
+
+    d0, d1, d2, d3 = mma_m16n8k16_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+Numba's CUDA simulator cannot run inline PTX, so every function also has a
+Python implementation with the hardware's per-lane semantics, chosen when
+:data:`nbflash._device.SIMULATOR` is true.  The warp-wide ones (``mma``,
+``ldmatrix``) exchange the 32 lanes' operands through the same per-warp
+barrier and slots as the simulated shuffles in :mod:`nbflash._device`.
+
+Fragment layouts follow the PTX ISA ("Matrix Fragments for mma.m16n8k16 with
+floating point type"; "ldmatrix").  They are written once, as the ``*_frag_index``
+and ``ldmatrix_x4_*_address`` helpers below (host functions, plus ``d_`` device
+versions for kernels), and the simulator builds its matrices from those same
+helpers — so a kernel that indexes fragments through them and passes the
+simulator tests also agrees with the layout of the hardware.  Notation::
+
+    lane = laneid (0..31)     g = lane >> 2 ("groupID")     t = lane % 4 ("threadID_in_group")
+
+A 32-bit fragment register holds two 16-bit elements; "half 0" is the low 16
+bits and holds the element with the smaller PTX index (a0 of the pair a0, a1).
+
+Minimum compute capability: ``mma.m16n8k16`` (f16, bf16), ``cp.async`` and the
+``cvt`` packs need sm_80; ``ldmatrix`` sm_75; ``ex2.approx`` any.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+
+from ._device import SIMULATOR, _sim_warp, cgutils, device_function, intrinsic
+
+__all__ = [
+    "a_frag_index",
+    "b_frag_index",
+    "c_frag_index",
+    "cp_async_16",
+    "cp_async_commit",
+    "cp_async_wait",
+    "cp_async_wait_all",
+    "d_a_frag_index",
+    "d_b_frag_index",
+    "d_c_frag_index",
+    "d_ldmatrix_x4_a_address",
+    "d_ldmatrix_x4_bt_address",
+    "ex2_approx",
+    "ldmatrix_x4",
+    "ldmatrix_x4_a_address",
+    "ldmatrix_x4_bt_address",
+    "ldmatrix_x4_trans",
+    "mma_m16n8k16_bf16",
+    "mma_m16n8k16_f16",
+    "pack_bf16x2",
+    "pack_f16x2",
+    "unpack_bf16x2",
+    "unpack_f16x2",
+]
+
+
+# ----------------------------------------------------------------------------
+# Fragment layouts of mma.m16n8k16 (.f16/.bf16 inputs, .f32 accumulators)
+# ----------------------------------------------------------------------------
+
+
+def _a_frag_index(lane, reg, half):
+    """(row, col) in the 16×16 A tile of half ``half`` of A-register ``reg`` held by ``lane``.
+
+    PTX: element a_i (i = 2·reg + half) sits at row g (+8 for a2, a3, a6, a7)
+    and column 2t + (i & 1) (+8 for a4..a7)::
+
+                 k: 0,1     2,3     4,5     6,7    |  8,9    10,11   12,13   14,15
+        row  0    T0 r0   T1 r0   T2 r0   T3 r0    |  T0 r2   T1 r2   T2 r2   T3 r2
+        row  1    T4 r0   T5 r0   T6 r0   T7 r0    |  T4 r2   ...
+        ...
+        row  7   T28 r0  T29 r0  T30 r0  T31 r0    | T28 r2   ...             T31 r2
+        row  8    T0 r1   T1 r1   T2 r1   T3 r1    |  T0 r3   ...
+        ...
+        row 15   T28 r1  T29 r1  T30 r1  T31 r1    | T28 r3   ...             T31 r3
+
+    ("T5 r2": lane 5, register 2, whose two halves are the two columns.)
+    """
+    g = lane >> 2
+    t = lane & 3
+    return g + 8 * (reg & 1), 2 * t + half + 8 * (reg >> 1)
+
+
+def _b_frag_index(lane, reg, half):
+    """(k, n) in the 16×8 B tile of half ``half`` of B-register ``reg`` held by ``lane``.
+
+    PTX: element b_i (i = 2·reg + half) sits at row (k) 2t + (i & 1) (+8 for
+    b2, b3) and column (n) g::
+
+                  n: 0       1       2     ...     7
+        k  0,1     T0 r0   T4 r0   T8 r0   ...   T28 r0
+        k  2,3     T1 r0   T5 r0   T9 r0   ...   T29 r0
+        k  4,5     T2 r0   T6 r0  T10 r0   ...   T30 r0
+        k  6,7     T3 r0   T7 r0  T11 r0   ...   T31 r0
+        k  8,9     T0 r1   T4 r1   ...           T28 r1
+        ...
+        k 14,15    T3 r1   T7 r1   ...           T31 r1
+
+    A register holds two consecutive k of one column n: B is "col" (k-major)
+    in ``mma ... .row.col``, i.e. a row of Bᵀ — a row of K for S = Q Kᵀ.
+    """
+    g = lane >> 2
+    t = lane & 3
+    return 2 * t + half + 8 * reg, g
+
+
+def _c_frag_index(lane, i):
+    """(row, col) in the 16×8 C/D tile of accumulator ``i`` (0..3) held by ``lane``.
+
+    PTX: c_i sits at row g (+8 for c2, c3) and column 2t + (i & 1)::
+
+                  col: 0,1       2,3       4,5       6,7
+        row  0      T0 c0,c1  T1 c0,c1  T2 c0,c1  T3 c0,c1
+        row  1      T4 c0,c1  ...
+        ...
+        row  7     T28 c0,c1  ...                 T31 c0,c1
+        row  8      T0 c2,c3  T1 c2,c3  ...
+        ...
+        row 15     T28 c2,c3  ...                 T31 c2,c3
+
+    So a row's 8 values live in the 4 lanes 4g..4g+3 (a "quad"): a row max or
+    sum is two ``shfl.bfly`` steps (lane masks 1 and 2).
+    """
+    g = lane >> 2
+    t = lane & 3
+    return g + 8 * (i >> 1), 2 * t + (i & 1)
+
+
+# ----------------------------------------------------------------------------
+# Which row address each lane gives ldmatrix.x4 for a 16×16 tile
+# ----------------------------------------------------------------------------
+
+
+def _ldmatrix_x4_a_address(lane):
+    """(row, col) of the 8-element row segment whose address ``lane`` passes to ``ldmatrix.x4``.
+
+    For a row-major 16×16 tile X: matrix j = lane >> 3 is the 8×8 block
+    ``X[8(j & 1) : +8, 8(j >> 1) : +8]``, so register j comes back as::
+
+        r0 = X[ 0: 8, 0: 8]   r1 = X[8:16, 0: 8]   r2 = X[ 0: 8, 8:16]   r3 = X[8:16, 8:16]
+
+    * ``ldmatrix_x4`` of a Q or P tile (rows m, columns k) gives exactly the
+      four A registers of ``mma.m16n8k16`` (see :func:`a_frag_index`).
+    * ``ldmatrix_x4_trans`` of a V tile (rows k, columns n) gives B registers
+      for two 8-column n-tiles: (r0, r1) for n 0..7 and (r2, r3) for n 8..15.
+    """
+    return (lane & 7) + 8 * ((lane >> 3) & 1), 8 * (lane >> 4)
+
+
+def _ldmatrix_x4_bt_address(lane):
+    """(row, col) whose address ``lane`` passes to ``ldmatrix_x4`` for B stored as Bᵀ (n-major).
+
+    For a row-major 16×16 tile Y = Bᵀ (rows n, columns k — a K tile for
+    S = Q Kᵀ): matrix j is ``Y[8(j >> 1) : +8, 8(j & 1) : +8]``, so::
+
+        r0 = Y[0: 8, 0: 8]   r1 = Y[0: 8, 8:16]   r2 = Y[8:16, 0: 8]   r3 = Y[8:16, 8:16]
+
+    and (r0, r1) are the B registers for keys n 0..7, (r2, r3) for n 8..15.
+    """
+    return (lane & 7) + 8 * (lane >> 4), 8 * ((lane >> 3) & 1)
+
+
+# Host versions (plain Python) ...
+a_frag_index = _a_frag_index
+b_frag_index = _b_frag_index
+c_frag_index = _c_frag_index
+ldmatrix_x4_a_address = _ldmatrix_x4_a_address
+ldmatrix_x4_bt_address = _ldmatrix_x4_bt_address
+
+# ... and the same source compiled for kernels.
+d_a_frag_index = device_function(_a_frag_index)
+d_b_frag_index = device_function(_b_frag_index)
+d_c_frag_index = device_function(_c_frag_index)
+d_ldmatrix_x4_a_address = device_function(_ldmatrix_x4_a_address)
+d_ldmatrix_x4_bt_address = device_function(_ldmatrix_x4_bt_address)
+
+
+def _layout_tables():
+    """Index arrays of every fragment element of the warp, built from the helpers above."""
+    lanes = range(32)
+    a = np.array([[[_a_frag_index(ln, r, h) for h in range(2)] for r in range(4)] for ln in lanes])  # (32,4,2,2)
+    b = np.array([[[_b_frag_index(ln, r, h) for h in range(2)] for r in range(2)] for ln in lanes])  # (32,2,2,2)
+    c = np.array([[_c_frag_index(ln, i) for i in range(4)] for ln in lanes])  # (32,4,2)
+    return a, b, c
+
+
+_A_IDX, _B_IDX, _C_IDX = _layout_tables()
+
+
+# ----------------------------------------------------------------------------
+# Bit conversions shared by the simulator implementations and the tests
+# ----------------------------------------------------------------------------
+
+
+def f32_to_f16_bits(x) -> np.ndarray:
+    """float32 → float16 bits, round to nearest even (NumPy's cast, as ``cvt.rn.f16.f32``)."""
+    with np.errstate(over="ignore"):  # overflow to ±inf is the rounding rule, not an error
+        return np.asarray(x, dtype=np.float32).astype(np.float16).view(np.uint16)
+
+
+def f32_to_bf16_bits(x) -> np.ndarray:
+    """float32 → bfloat16 bits, round to nearest even; NaN becomes the canonical 0x7FFF."""
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(np.asarray(x, dtype=np.float32)), np.uint16(0x7FFF), rounded)
+
+
+def f16_bits_to_f32(bits) -> np.ndarray:
+    return np.asarray(bits, dtype=np.uint16).view(np.float16).astype(np.float32)
+
+
+def bf16_bits_to_f32(bits) -> np.ndarray:
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+# ----------------------------------------------------------------------------
+# Simulator implementations
+# ----------------------------------------------------------------------------
+
+
+def _sim_exchange(value):
+    """Publish this lane's ``value``; return the 32 lanes' values (a warp-wide, synchronising call)."""
+    lane, warp = _sim_warp()
+    warp.slots[lane] = value
+    warp.barrier.wait()  # every lane has published
+    values = list(warp.slots)
+    warp.barrier.wait()  # every lane has read before any slot is reused
+    return lane, values
+
+
+def _sim_mma(to_f32, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    lane, ops = _sim_exchange((a0, a1, a2, a3, b0, b1, c0, c1, c2, c3))
+    regs = np.array([op[:6] for op in ops], dtype=np.uint32)  # (32, 6): a0..a3, b0, b1
+    halves = np.stack([regs & 0xFFFF, regs >> 16], axis=-1).astype(np.uint16)  # (32, 6, 2)
+    vals = to_f32(halves).astype(np.float64)
+    A = np.zeros((16, 16))
+    B = np.zeros((16, 8))
+    C = np.zeros((16, 8))
+    A[_A_IDX[..., 0], _A_IDX[..., 1]] = vals[:, :4]
+    B[_B_IDX[..., 0], _B_IDX[..., 1]] = vals[:, 4:]
+    C[_C_IDX[..., 0], _C_IDX[..., 1]] = np.array([op[6:] for op in ops], dtype=np.float32)
+    # Products of two f16 (or bf16) values are exact; the sum is taken in float64
+    # and rounded once (the hardware's adder tree rounds differently in the last bits).
+    rows, cols = _C_IDX[lane, :, 0], _C_IDX[lane, :, 1]
+    d = (A[rows] * B[:, cols].T).sum(axis=1) + C[rows, cols]
+    return tuple(np.float32(x) for x in d)
+
+
+def _sim_mma_m16n8k16_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    """D = A·B + C on the tensor cores, one 16×16×8 tile per warp (float16 inputs, float32 accumulate).
+
+    PTX: ``mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0..d3}, {a0..a3}, {b0, b1}, {c0..c3}``;
+    sm_80 or newer.  Every lane of the warp must call it (converged, ``.sync.aligned``).
+
+    Arguments, per lane: ``a0..a3`` — four 32-bit registers (``uint32``), each
+    two float16 of A (16×16, the "row" operand); ``b0, b1`` — two registers of
+    B (16×8, the "col" operand); ``c0..c3`` — four float32 of C (16×8).
+    Returns this lane's ``(d0, d1, d2, d3)`` of D, laid out like C.  Which
+    elements each lane holds (ASCII pictures in the helpers' docstrings)::
+
+        A: register r, half h  ->  a_frag_index(lane, r, h) = (row, k)
+        B: register r, half h  ->  b_frag_index(lane, r, h) = (k, col)
+        C, D: value i          ->  c_frag_index(lane, i)    = (row, col)
+
+    Simulator: the lanes exchange their operands, and each lane computes its
+    four outputs from the whole tile — products exactly, the sum in float64
+    rounded once to float32 (the hardware's adder differs in the last bits).
+    """
+    return _sim_mma(f16_bits_to_f32, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+
+def _sim_mma_m16n8k16_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    """D = A·B + C on the tensor cores with bfloat16 inputs: as :func:`mma_m16n8k16_f16`.
+
+    PTX: ``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32``; sm_80 or newer.
+    The registers hold bfloat16 bit patterns (the top 16 bits of a float32);
+    fragment layouts are the same as for float16.
+    """
+    return _sim_mma(bf16_bits_to_f32, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+
+def _words16(smem, offset):
+    """``smem`` as 16-bit words, and element ``offset`` as a word index (checking 16-byte alignment)."""
+    byte = int(offset) * smem.itemsize
+    if byte % 16:
+        raise ValueError(f"shared-memory address {byte} (element {offset}) is not 16-byte aligned")
+    return smem.reshape(-1).view(np.uint16), byte // 2
+
+
+def _sim_ldmatrix(smem, offset, trans):
+    lane, rows = _sim_exchange((smem, offset))
+    g, t = lane >> 2, lane & 3
+    out = []
+    for i in range(4):
+        if trans:  # column g of matrix i, rows 2t and 2t + 1
+            lo_mem, lo_off = _words16(*rows[8 * i + 2 * t])
+            hi_mem, hi_off = _words16(*rows[8 * i + 2 * t + 1])
+            lo, hi = lo_mem[lo_off + g], hi_mem[hi_off + g]
+        else:  # row g of matrix i, columns 2t and 2t + 1
+            mem, off = _words16(*rows[8 * i + g])
+            lo, hi = mem[off + 2 * t], mem[off + 2 * t + 1]
+        out.append(np.uint32(lo) | (np.uint32(hi) << np.uint32(16)))
+    return tuple(out)
+
+
+def _sim_ldmatrix_x4(smem, offset):
+    """Four 8×8 matrices of 16-bit elements from shared memory into registers, one warp together.
+
+    PTX: ``ldmatrix.sync.aligned.m8n8.x4.shared.b16 {r0, r1, r2, r3}, [addr]``; sm_75 or newer.
+    Every lane of the warp must call it.
+
+    ``smem`` is a shared array and ``offset`` an element index into it: the
+    start of one 16-byte matrix row (8 elements), 16-byte aligned.  Lanes
+    8i..8i+7 give the addresses of rows 0..7 of matrix i.  Register i of each
+    lane comes back holding two elements of matrix i::
+
+                  cols 0,1   2,3   4,5   6,7
+        row 0        T0      T1    T2    T3         lane T gets row T >> 2,
+        row 1        T4      T5    T6    T7         columns 2(T % 4) (low half)
+        ...                                         and 2(T % 4) + 1 (high half)
+        row 7       T28     T29   T30   T31
+
+    This is the A (and C) fragment layout of ``mma``: with the addresses of
+    :func:`ldmatrix_x4_a_address` one call loads the A operand of a 16×16
+    tile, with :func:`ldmatrix_x4_bt_address` the B operands of two n-tiles
+    stored n-major (a K tile).
+    """
+    return _sim_ldmatrix(smem, offset, False)
+
+
+def _sim_ldmatrix_x4_trans(smem, offset):
+    """:func:`ldmatrix_x4` with each 8×8 matrix transposed on the way.
+
+    PTX: ``ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16``; sm_75 or newer.
+    Addresses as for :func:`ldmatrix_x4`; register i of lane T holds the
+    elements (row 2(T % 4), column T >> 2) (low half) and (row 2(T % 4) + 1,
+    column T >> 2) (high half) of matrix i::
+
+                  cols 0     1     2   ...   7
+        rows 0,1     T0    T4    T8  ...   T28
+        rows 2,3     T1    T5    T9  ...   T29
+        rows 4,5     T2    T6   T10  ...   T30
+        rows 6,7     T3    T7   T11  ...   T31
+
+    That is the B fragment layout of ``mma`` for B stored k-major (row-major
+    k × n, a V tile): with the addresses of :func:`ldmatrix_x4_a_address`,
+    registers (r0, r1) are B for columns 0..7 and (r2, r3) for columns 8..15.
+    """
+    return _sim_ldmatrix(smem, offset, True)
+
+
+def _sim_cp_async_16(dst, dst_offset, src, src_index, src_bytes=16):
+    """Start an asynchronous 16-byte copy global → shared that bypasses registers (and L1).
+
+    PTX: ``cp.async.cg.shared.global [dst], [src], 16{, src_bytes}``; sm_80 or newer.
+
+    ``dst[dst_offset]`` (a shared array, element index, 16-byte aligned)
+    receives the 16 bytes starting at ``src[src_index]`` (a global array;
+    ``src_index`` an integer or a tuple of non-negative integers; the 16 bytes
+    run along the contiguous last axis and must be 16-byte aligned).  With
+    ``src_bytes`` < 16 only that many bytes are read and the rest of the 16
+    are zero-filled; ``src_bytes = 0`` reads nothing and writes 16 zero bytes
+    (rows past the end of a sequence).  The copy completes only after
+    :func:`cp_async_commit` and a :func:`cp_async_wait` that covers its group
+    (and is visible to other threads after a barrier).
+
+    Simulator: the copy happens at once; commit and wait do nothing.
+    """
+    start = int(dst_offset) * dst.itemsize
+    if start % 16:
+        raise ValueError(f"cp.async destination {start} (element {dst_offset}) is not 16-byte aligned")
+    chunk = np.zeros(16, dtype=np.uint8)
+    n = min(int(src_bytes), 16)
+    if n > 0:  # with src-size 0 the source is not read at all
+        dtype = np.dtype(src.dtype)
+        idx = tuple(src_index) if isinstance(src_index, tuple) else (src_index,)
+        count = -(-n // dtype.itemsize)
+        vals = np.array([src[idx[:-1] + (idx[-1] + e,)] for e in range(count)], dtype=dtype)
+        chunk[:n] = vals.view(np.uint8)[:n]
+    dst.reshape(-1).view(np.uint8)[start : start + 16] = chunk
+
+
+def _sim_cp_async_commit():
+    """Close the group of this thread's ``cp.async`` copies issued since the last commit.
+
+    PTX: ``cp.async.commit_group``; sm_80 or newer.  A no-op in the simulator.
+    """
+
+
+def _sim_cp_async_wait(n):
+    """Wait until at most ``n`` of this thread's committed ``cp.async`` groups are still in flight.
+
+    PTX: ``cp.async.wait_group n``; sm_80 or newer.  ``n`` must be a
+    compile-time constant (an immediate in the instruction): ``n = 1`` with two
+    groups in flight waits for the older one — double buffering.  The data is
+    visible to *other* threads only after a following ``cuda.syncthreads()``.
+    A no-op in the simulator.
+    """
+
+
+def _sim_cp_async_wait_all():
+    """Wait for all of this thread's ``cp.async`` copies.
+
+    PTX: ``cp.async.wait_all`` (commit + wait_group 0); sm_80 or newer.  A no-op in the simulator.
+    """
+
+
+def _sim_pack_f16x2(lo, hi):
+    """Two float32 → one 32-bit register of two float16 (round to nearest even), ``lo`` in the low half.
+
+    PTX: ``cvt.rn.f16x2.f32 d, hi, lo`` — the instruction puts its *first*
+    source in the upper half, so the operands are passed swapped; sm_80 or
+    newer.  ``pack_f16x2(p[c], p[c + 1])`` is the A-fragment register of
+    columns c, c + 1.  Simulator: NumPy's float32 → float16 cast (round to
+    nearest even, overflow to inf), bit for bit for every non-NaN input (which
+    NaN pattern the hardware returns is not modelled).
+    """
+    lo_b, hi_b = f32_to_f16_bits(lo), f32_to_f16_bits(hi)
+    return np.uint32(lo_b) | (np.uint32(hi_b) << np.uint32(16))
+
+
+def _sim_pack_bf16x2(lo, hi):
+    """Two float32 → one 32-bit register of two bfloat16 (round to nearest even), ``lo`` in the low half.
+
+    PTX: ``cvt.rn.bf16x2.f32 d, hi, lo`` (first source → upper half); sm_80 or
+    newer.  Simulator: round-to-nearest-even on the bits, overflow to inf;
+    NaN → 0x7FFF (the PTX canonical NaN; not checked against hardware).
+    """
+    lo_b, hi_b = f32_to_bf16_bits(lo), f32_to_bf16_bits(hi)
+    return np.uint32(lo_b) | (np.uint32(hi_b) << np.uint32(16))
+
+
+def _sim_unpack_f16x2(x):
+    """One 32-bit register of two float16 → ``(low, high)`` as float32 (exact).
+
+    Plain LLVM bit operations and ``cvt.f32.f16``; any compute capability.
+    """
+    x = np.uint32(x)
+    return np.float32(f16_bits_to_f32(x & 0xFFFF)), np.float32(f16_bits_to_f32(x >> 16))
+
+
+def _sim_unpack_bf16x2(x):
+    """One 32-bit register of two bfloat16 → ``(low, high)`` as float32 (exact: a shift).
+
+    Plain LLVM bit operations; any compute capability.
+    """
+    x = np.uint32(x)
+    return np.float32(bf16_bits_to_f32(x & 0xFFFF)), np.float32(bf16_bits_to_f32(x >> 16))
+
+
+_F32_TINY = np.finfo(np.float32).tiny
+
+
+def _sim_ex2_approx(x):
+    """2**x in float32 by the special-function unit, subnormals flushed to zero.
+
+    PTX: ``ex2.approx.ftz.f32``; any compute capability (one MUFU.EX2).  The
+    hardware result is within 2 ulp of the exact one (PTX ISA); ``-inf`` gives
+    +0, ``+inf`` gives +inf.  Simulator: NumPy's float32 ``exp2`` with subnormal
+    inputs and results flushed to zero — not the hardware's bits.
+    """
+    x = np.float32(x)
+    if abs(x) < _F32_TINY:  # .ftz: a subnormal input counts as zero
+        x = np.float32(0)
+    with np.errstate(over="ignore", under="ignore"):
+        y = np.exp2(x)
+    return np.float32(0) if abs(y) < _F32_TINY else np.float32(y)  # .ftz: subnormal result → 0
+
+
+# ----------------------------------------------------------------------------
+# GPU implementations: inline PTX
+# ----------------------------------------------------------------------------
+
+_I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
+_F32 = ir.FloatType()
+
+
+def _asm(builder, ret, arg_types, ptx, constraints, args, side_effect=False, warp_wide=False):
+    """Emit one inline-PTX statement.
+
+    ``side_effect`` keeps it in place and alive (memory operations);
+    ``warp_wide`` marks the call ``convergent`` — as CUDA C++ marks every inline
+    ``asm`` — so the optimiser never moves a ``.sync.aligned`` instruction into
+    or out of a branch that only some lanes take.
+    """
+    fnty = ir.FunctionType(ret, arg_types)
+    asm = ir.InlineAsm(fnty, ptx, constraints, side_effect=side_effect)
+    return builder.call(asm, args, attrs=("convergent",) if warp_wide else ())
+
+
+def _cast_all(context, builder, values, from_types, to_type):
+    return [context.cast(builder, v, t, to_type) for v, t in zip(values, from_types, strict=True)]
+
+
+def _is_int(*tys):
+    return all(isinstance(t, types.Integer) for t in tys)
+
+
+def _is_flat_array(ty):
+    """A C-contiguous array, which a flat element offset addresses (a shared array)."""
+    return isinstance(ty, types.Array) and ty.layout == "C"
+
+
+def _is_number(*tys):
+    return all(isinstance(t, (types.Float, types.Integer)) for t in tys)
+
+
+def _shared_address(context, builder, arrty, arr, offty, offset):
+    """32-bit ``.shared`` address of element ``offset`` of a shared array.
+
+    A Numba array's data pointer is *generic*.  Casting it to LLVM address
+    space 3 and taking the integer gives the shared-window address the
+    ``.shared`` forms of ldmatrix / cp.async want; for an array from
+    ``cuda.shared.array`` (itself a generic cast of an addrspace(3) global)
+    NVVM folds the two casts away, where inline ``cvta.to.shared`` could not be.
+    """
+    ary = context.make_array(arrty)(context, builder, value=arr)
+    off = context.cast(builder, offset, offty, types.intp)
+    ptr = builder.gep(ary.data, [off])
+    sptr = builder.addrspacecast(ptr, ir.PointerType(ptr.type.pointee, 3))
+    return builder.ptrtoint(sptr, _I32)
+
+
+def _global_address(context, builder, arrty, arr, idxty, idx):
+    """64-bit ``.global`` address of ``arr[idx]`` (idx: an integer or a tuple of integers, none negative)."""
+    ary = context.make_array(arrty)(context, builder, value=arr)
+    if isinstance(idxty, types.BaseTuple):
+        inds = [context.cast(builder, builder.extract_value(idx, i), t, types.intp) for i, t in enumerate(idxty)]
+    else:
+        inds = [context.cast(builder, idx, idxty, types.intp)]
+    ptr = cgutils.get_item_pointer(context, builder, arrty, ary, inds, wraparound=False)
+    gptr = builder.addrspacecast(ptr, ir.PointerType(ptr.type.pointee, 1))
+    return builder.ptrtoint(gptr, _I64)
+
+
+def _make_gpu_mma(kind):
+    ptx = (
+        f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 "
+        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};"
+    )
+
+    def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        if not (_is_int(a0, a1, a2, a3, b0, b1) and _is_number(c0, c1, c2, c3)):
+            return None
+        sig = types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+        def codegen(context, builder, sig, args):
+            regs = _cast_all(context, builder, args[:6], sig.args[:6], types.uint32)
+            acc = _cast_all(context, builder, args[6:], sig.args[6:], types.float32)
+            res = _asm(builder, ir.LiteralStructType([_F32] * 4), [_I32] * 6 + [_F32] * 4, ptx,
+                       "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", regs + acc, warp_wide=True)
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(4)])
+
+        return sig, codegen
+
+    mma.__name__ = f"mma_m16n8k16_{kind}"
+    return intrinsic(mma)
+
+
+def _make_gpu_ldmatrix(trans):
+    ptx = f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 {{$0, $1, $2, $3}}, [$4];"
+
+    def ldmatrix(typingctx, smem, offset):
+        if not (_is_flat_array(smem) and _is_int(offset)):
+            return None
+        sig = types.UniTuple(types.uint32, 4)(smem, offset)
+
+        def codegen(context, builder, sig, args):
+            addr = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            res = _asm(builder, ir.LiteralStructType([_I32] * 4), [_I32], ptx, "=r,=r,=r,=r,r,~{memory}", [addr],
+                       side_effect=True, warp_wide=True)
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(4)])
+
+        return sig, codegen
+
+    ldmatrix.__name__ = "ldmatrix_x4_trans" if trans else "ldmatrix_x4"
+    return intrinsic(ldmatrix)
+
+
+@intrinsic
+def _gpu_cp_async_16(typingctx, dst, dst_offset, src, src_index, src_bytes=None):
+    idx_ok = _is_int(src_index) or (isinstance(src_index, types.BaseTuple) and _is_int(*src_index))
+    if not (_is_flat_array(dst) and _is_int(dst_offset) and isinstance(src, types.Array) and idx_ok):
+        return None
+    zfill = src_bytes is not None and not isinstance(src_bytes, (types.NoneType, types.Omitted))
+    if zfill and not _is_int(src_bytes):
+        return None
+    sig = types.void(dst, dst_offset, src, src_index, src_bytes if zfill else types.Omitted(None))
+
+    def codegen(context, builder, sig, args):
+        d = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        s = _global_address(context, builder, sig.args[2], args[2], sig.args[3], args[3])
+        if zfill:
+            n = context.cast(builder, args[4], sig.args[4], types.uint32)
+            _asm(builder, ir.VoidType(), [_I32, _I64, _I32], "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+                 "r,l,r,~{memory}", [d, s, n], side_effect=True)
+        else:
+            _asm(builder, ir.VoidType(), [_I32, _I64], "cp.async.cg.shared.global [$0], [$1], 16;",
+                 "r,l,~{memory}", [d, s], side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _gpu_cp_async_commit(typingctx):
+    def codegen(context, builder, sig, args):
+        _asm(builder, ir.VoidType(), [], "cp.async.commit_group;", "~{memory}", [], side_effect=True)
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@intrinsic
+def _gpu_cp_async_wait(typingctx, n):
+    if not isinstance(n, types.IntegerLiteral):
+        return None  # wait_group takes an immediate: n must be a compile-time constant
+    groups = int(n.literal_value)
+
+    def codegen(context, builder, sig, args):
+        _asm(builder, ir.VoidType(), [], f"cp.async.wait_group {groups};", "~{memory}", [], side_effect=True)
+        return context.get_dummy_value()
+
+    return types.void(n), codegen
+
+
+@intrinsic
+def _gpu_cp_async_wait_all(typingctx):
+    def codegen(context, builder, sig, args):
+        _asm(builder, ir.VoidType(), [], "cp.async.wait_all;", "~{memory}", [], side_effect=True)
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+def _make_gpu_pack(kind):
+    ptx = f"cvt.rn.{kind}x2.f32 $0, $1, $2;"
+
+    def pack(typingctx, lo, hi):
+        if not _is_number(lo, hi):
+            return None
+        sig = types.uint32(lo, hi)
+
+        def codegen(context, builder, sig, args):
+            lo_v, hi_v = _cast_all(context, builder, args, sig.args, types.float32)
+            # cvt puts its first source in the upper half: pass (hi, lo).
+            return _asm(builder, _I32, [_F32, _F32], ptx, "=r,f,f", [hi_v, lo_v])
+
+        return sig, codegen
+
+    pack.__name__ = f"pack_{kind}x2"
+    return intrinsic(pack)
+
+
+def _make_gpu_unpack(kind):
+    def unpack(typingctx, x):
+        if not _is_int(x):
+            return None
+        sig = types.UniTuple(types.float32, 2)(x)
+
+        def codegen(context, builder, sig, args):
+            v = context.cast(builder, args[0], sig.args[0], types.uint32)
+            halves = [builder.trunc(v, ir.IntType(16)), builder.trunc(builder.lshr(v, ir.Constant(_I32, 16)),
+                                                                      ir.IntType(16))]
+            if kind == "f16":
+                out = [builder.fpext(builder.bitcast(h, ir.HalfType()), _F32) for h in halves]
+            else:  # bf16 is the top half of a float32
+                out = [builder.bitcast(builder.shl(builder.zext(h, _I32), ir.Constant(_I32, 16)), _F32)
+                       for h in halves]
+            return context.make_tuple(builder, sig.return_type, out)
+
+        return sig, codegen
+
+    unpack.__name__ = f"unpack_{kind}x2"
+    return intrinsic(unpack)
+
+
+@intrinsic
+def _gpu_ex2_approx(typingctx, x):
+    if not _is_number(x):
+        return None
+    sig = types.float32(x)
+
+    def codegen(context, builder, sig, args):
+        v = context.cast(builder, args[0], sig.args[0], types.float32)
+        return _asm(builder, _F32, [_F32], "ex2.approx.ftz.f32 $0, $1;", "=f,f", [v])
+
+    return sig, codegen
+
+
+# ----------------------------------------------------------------------------
+# The public names: one implementation or the other
+# ----------------------------------------------------------------------------
+
+def _public(sim, gpu):
+    """This run's implementation: ``sim`` in the simulator, else ``gpu()``; both carry ``sim``'s docstring."""
+    impl = sim if SIMULATOR else gpu()
+    impl.__doc__ = sim.__doc__
+    return impl
+
+
+mma_m16n8k16_f16 = _public(_sim_mma_m16n8k16_f16, lambda: _make_gpu_mma("f16"))
+mma_m16n8k16_bf16 = _public(_sim_mma_m16n8k16_bf16, lambda: _make_gpu_mma("bf16"))
+ldmatrix_x4 = _public(_sim_ldmatrix_x4, lambda: _make_gpu_ldmatrix(trans=False))
+ldmatrix_x4_trans = _public(_sim_ldmatrix_x4_trans, lambda: _make_gpu_ldmatrix(trans=True))
+cp_async_16 = _public(_sim_cp_async_16, lambda: _gpu_cp_async_16)
+cp_async_commit = _public(_sim_cp_async_commit, lambda: _gpu_cp_async_commit)
+cp_async_wait = _public(_sim_cp_async_wait, lambda: _gpu_cp_async_wait)
+cp_async_wait_all = _public(_sim_cp_async_wait_all, lambda: _gpu_cp_async_wait_all)
+pack_f16x2 = _public(_sim_pack_f16x2, lambda: _make_gpu_pack("f16"))
+pack_bf16x2 = _public(_sim_pack_bf16x2, lambda: _make_gpu_pack("bf16"))
+unpack_f16x2 = _public(_sim_unpack_f16x2, lambda: _make_gpu_unpack("f16"))
+unpack_bf16x2 = _public(_sim_unpack_bf16x2, lambda: _make_gpu_unpack("bf16"))
+ex2_approx = _public(_sim_ex2_approx, lambda: _gpu_ex2_approx)

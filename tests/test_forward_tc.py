@@ -1,0 +1,171 @@
+"""The tensor-core forward kernel (nbflash.forward_tc) against the float64 textbook formula.
+
+In the simulator the tiles are 32 queries (2 warps) × 16 keys, so short odd
+sequences cross every edge: ragged query and key tiles, causal diagonals in
+both directions, rows that see no key.  The error must stay within twice that
+of a naive attention in the same 16-bit precision (the flash-attn rule).
+Without a GPU, every GPU configuration is compiled and assembled for sm_90,
+with nothing in local memory and no spills.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from nbflash import forward_tc as F
+from nbflash import intrinsics as I
+from nbflash.reference import attention_ref, causal_mask
+
+
+def to_kind(x, kind):
+    """float32 → (kernel input: float16, or bfloat16 bits as uint16; its exact float64 values)."""
+    if kind == "float16":
+        bits = x.astype(np.float16)
+        return bits, bits.astype(np.float64)
+    bits = I.f32_to_bf16_bits(x)
+    return bits, I.bf16_bits_to_f32(bits).astype(np.float64)
+
+
+def from_kind(o, kind):
+    return o.astype(np.float64) if kind == "float16" else I.bf16_bits_to_f32(o).astype(np.float64)
+
+
+def round_to(x, kind):
+    """Round float64 values to ``kind`` and back (the naive reference's every step)."""
+    return to_kind(np.asarray(x, dtype=np.float32), kind)[1]
+
+
+def naive_attention(q, k, v, causal, scale, kind):
+    """Attention with every intermediate rounded to 16 bits: the error budget's yardstick."""
+    s = round_to(round_to(np.einsum("bhid,bhjd->bhij", q, k), kind) * scale, kind)
+    if causal:
+        s = np.where(causal_mask(q.shape[2], k.shape[2]), s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    p = round_to(np.exp(s - np.where(np.isfinite(m), m, 0)), kind)
+    l = p.sum(-1, keepdims=True)
+    p = round_to(np.divide(p, l, out=np.zeros_like(p), where=l > 0), kind)
+    return round_to(np.einsum("bhij,bhjd->bhid", p, v), kind)
+
+
+def _host(a):
+    return a if isinstance(a, np.ndarray) else a.get()
+
+
+def run_and_check(xp, rng, n_q, n_k, d, kind, causal, cfg=None, layout="bhsd", batch=1, heads=2):
+    """Run the kernel on ``xp`` arrays (NumPy in the simulator, CuPy on a GPU) and check o and lse."""
+    cfg = cfg or F.choose_config(d, kind)
+    shape = (lambda n: (batch, heads, n, d)) if layout == "bhsd" else (lambda n: (batch, n, heads, d))
+    (q, qv), (k, kv), (v, vv) = (to_kind(rng.standard_normal(shape(n)).astype(np.float32), kind)
+                                 for n in (n_q, n_k, n_k))
+    q, k, v = (xp.asarray(x) for x in (q, k, v))
+    o = xp.zeros_like(q)
+    canon = (lambda x: x) if layout == "bhsd" else (lambda x: x.transpose(0, 2, 1, 3))
+    lse = xp.zeros((batch, heads, n_q), dtype=np.float32)
+    scale = 1 / math.sqrt(d)
+    F.launch_forward_tc(cfg, canon(q), canon(k), canon(v), canon(o), lse, scale, causal)
+
+    qv, kv, vv = canon(qv), canon(kv), canon(vv)
+    ref_o, ref_lse = attention_ref(qv, kv, vv, causal=causal, scale=scale)
+    out = from_kind(canon(_host(o)), kind)
+    lse = _host(lse)
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    err = np.abs(out - ref_o).max()
+    naive_err = np.abs(naive_attention(qv, kv, vv, causal, scale, kind) - ref_o).max()
+    assert err <= 2 * naive_err + 1e-6, (err, naive_err)
+    seen = np.isfinite(ref_lse)
+    np.testing.assert_array_equal(np.isneginf(lse), ~seen)  # rows that see no key: lse = -inf ...
+    assert np.all(out[~seen] == 0)  # ... and o = 0
+    # S is exact products summed in fp32: lse is as good as fp32 arithmetic allows.
+    np.testing.assert_allclose(lse[seen], ref_lse[seen], rtol=1e-5, atol=1e-5)
+
+
+# Simulator tiles: 32 queries × 16 keys.
+SEQLENS = [(1, 1), (17, 20), (33, 16), (40, 7), (7, 40)]
+
+
+@pytest.mark.parametrize("n_q,n_k", SEQLENS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+def test_forward_tc_matches_reference(xp, rng, n_q, n_k, causal, kind):
+    run_and_check(xp, rng, n_q, n_k, 64, kind, causal)
+
+
+def test_forward_tc_bshd_strided_views(xp, rng):
+    run_and_check(xp, rng, 19, 23, 64, "float16", True, layout="bshd", batch=2, heads=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d", [64, 128])
+def test_forward_tc_gpu_configuration(xp, rng, d):
+    """The tiles the GPU would use (4 warps; 64 or 32 keys), at a size that crosses them."""
+    cfg = F.choose_config(d, "bfloat16", simulator=False)
+    run_and_check(xp, rng, 70, cfg.block_n + 5, d, "bfloat16", True, cfg=cfg, heads=1)
+
+
+def test_can_implement_rejects_misaligned_rows():
+    cfg = F.TCConfig(32, 16, 64, "float16")
+    q = np.zeros((1, 1, 8, 68), dtype=np.float16)[..., :64]  # 136-byte rows: not a multiple of 16 bytes
+    ok, why = F.can_implement(cfg, q)
+    assert not ok and "multiples of 16" in why
+    ok, why = F.can_implement(cfg, np.zeros((1, 1, 8, 128), dtype=np.float16)[..., ::2])
+    assert not ok and "contiguous" in why
+    with pytest.raises(ValueError, match="head_dim"):
+        F.TCConfig(32, 16, 72, "float16")
+
+
+_PTX_SCRIPT = r"""
+import json, re, sys
+from nbflash import forward_tc as F
+from nbflash._device import SIMULATOR, compile_ptx_offline
+assert not SIMULATOR
+from cuda.bindings import nvjitlink
+part, parts = int(sys.argv[1]), int(sys.argv[2])
+for i, (name, cfg, kern, sig, fastmath) in enumerate(F.compile_targets()):
+    if i % parts != part:
+        continue
+    ptx = compile_ptx_offline(kern.py_func, sig, cc=(9, 0), fastmath=fastmath)
+    h = nvjitlink.create(2, ["-arch=sm_90", "-verbose"])
+    nvjitlink.add_data(h, nvjitlink.InputType.PTX, ptx.encode(), len(ptx.encode()), "kernel.ptx")
+    nvjitlink.complete(h)
+    log = bytearray(nvjitlink.get_info_log_size(h))
+    nvjitlink.get_info_log(h, log)
+    nvjitlink.destroy(h)
+    log = log.decode()
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    print(json.dumps(dict(config=repr(cfg), head_dim=cfg.head_dim, block_n=cfg.block_n,
+                          local=len(re.findall(r"\b(?:ld|st)\.local\b", ptx)),
+                          regs=int(re.search(r"[Uu]sed (\d+) registers", log).group(1)),
+                          spill_bytes=int(spills.group(1)) + int(spills.group(2)),
+                          mma=ptx.count("mma.sync.aligned.m16n8k16"), ldmatrix=ptx.count("ldmatrix.sync"),
+                          cp_async=ptx.count("cp.async.cg.shared.global"))), flush=True)
+"""
+
+
+def test_forward_tc_compiles_for_sm90_in_registers():
+    """Every GPU configuration: NVVM → PTX → ptxas (nvJitLink), no local memory, no spills, loops unrolled."""
+    pytest.importorskip("cuda.bindings.nvjitlink")
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    procs = [subprocess.Popen([sys.executable, "-c", _PTX_SCRIPT, str(i), "2"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    rows = []
+    for p in procs:
+        out, err = p.communicate(timeout=900)
+        assert p.returncode == 0, err[-4000:]
+        rows += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert len(rows) == 4
+    for row in rows:
+        assert row["local"] == 0 and row["spill_bytes"] == 0, row
+        d, bn = row["head_dim"], row["block_n"]
+        # Fully unrolled: every 16×8×16 product of S = Q Kᵀ and of O += P V is its own instruction.
+        assert row["mma"] == (bn // 8) * (d // 16) + (d // 8) * (bn // 16), row
+        assert row["ldmatrix"] == d // 16 + (bn // 16) * (d // 16) + (bn // 16) * (d // 16), row
+

@@ -1,0 +1,538 @@
+"""The tensor-core building blocks of :mod:`nbflash.intrinsics`, one warp at a time.
+
+In the simulator (CI) each test launches a one-warp kernel that uses the
+intrinsics exactly as a real kernel would — fragments indexed through the
+layout helpers, tiles in shared memory — and compares with NumPy in float64.
+The layouts themselves are checked against the PTX ISA's formulas, transcribed
+here independently of the helpers.  Without a GPU, the same kernels are also
+compiled for sm_80/sm_90 (NVVM), assembled by ptxas (nvJitLink) and, where
+``nvdisasm`` can be found, disassembled to look for HMMA/LDSM/LDGSTS.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from nbflash import intrinsics as I
+from nbflash._device import SIMULATOR, cuda, device_function, kernel, numba
+
+SMEM_ALIGN = None if SIMULATOR else 16  # ldmatrix / cp.async rows must be 16-byte aligned
+KINDS = ["float16", "bfloat16"]
+
+
+def to_bits(x, kind):
+    """float array → 16-bit patterns (uint16) of ``kind``, and the exactly representable float64 values."""
+    x = np.asarray(x, dtype=np.float32)
+    bits = I.f32_to_f16_bits(x) if kind == "float16" else I.f32_to_bf16_bits(x)
+    vals = I.f16_bits_to_f32(bits) if kind == "float16" else I.bf16_bits_to_f32(bits)
+    return bits, vals.astype(np.float64)
+
+
+def launch(kern, *args):
+    """One block of one warp."""
+    kern[1, 32](*args)
+
+
+# ----------------------------------------------------------------------------
+# The layout helpers against the PTX ISA text
+# ----------------------------------------------------------------------------
+
+
+def ptx_a(lane, i):
+    """PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type", multiplicand A, element a_i."""
+    group_id, tid_in_group = lane >> 2, lane % 4
+    row = group_id if (0 <= i < 2 or 4 <= i < 6) else group_id + 8
+    col = tid_in_group * 2 + (i & 0x1) if i < 4 else tid_in_group * 2 + (i & 0x1) + 8
+    return row, col
+
+
+def ptx_b(lane, i):
+    """Same section, multiplicand B, element b_i."""
+    group_id, tid_in_group = lane >> 2, lane % 4
+    row = tid_in_group * 2 + (i & 0x1) if i < 2 else tid_in_group * 2 + (i & 0x1) + 8
+    return row, group_id
+
+
+def ptx_c(lane, i):
+    """Same section, accumulators C/D, element c_i."""
+    group_id, tid_in_group = lane >> 2, lane % 4
+    row = group_id if i < 2 else group_id + 8
+    return row, tid_in_group * 2 + (i & 0x1)
+
+
+def test_fragment_helpers_match_ptx_isa():
+    for lane in range(32):
+        for i in range(8):
+            assert I.a_frag_index(lane, i // 2, i % 2) == ptx_a(lane, i)
+        for i in range(4):
+            assert I.b_frag_index(lane, i // 2, i % 2) == ptx_b(lane, i)
+            assert I.c_frag_index(lane, i) == ptx_c(lane, i)
+    # Each layout covers its tile exactly once.
+    for cells, shape in (
+        ([I.a_frag_index(ln, r, h) for ln in range(32) for r in range(4) for h in range(2)], (16, 16)),
+        ([I.b_frag_index(ln, r, h) for ln in range(32) for r in range(2) for h in range(2)], (16, 8)),
+        ([I.c_frag_index(ln, i) for ln in range(32) for i in range(4)], (16, 8)),
+    ):
+        assert sorted(cells) == [(r, c) for r in range(shape[0]) for c in range(shape[1])]
+
+
+def test_ldmatrix_addresses_cover_the_tile():
+    for helper in (I.ldmatrix_x4_a_address, I.ldmatrix_x4_bt_address):
+        starts = sorted(helper(lane) for lane in range(32))
+        assert starts == sorted((r, c) for r in range(16) for c in (0, 8))
+    # Lanes 8i..8i+7 give rows 0..7 of one 8×8 block (matrix i).
+    for lane in range(32):
+        r, c = I.ldmatrix_x4_a_address(lane)
+        assert r % 8 == lane % 8
+
+
+# ----------------------------------------------------------------------------
+# mma.sync.m16n8k16
+# ----------------------------------------------------------------------------
+
+
+@device_function
+def pack_pair(tile, idx0, idx1):
+    """One fragment register: the 16-bit elements tile[idx0] (low half) and tile[idx1] (high half)."""
+    return numba.uint32(tile[idx0]) | (numba.uint32(tile[idx1]) << 16)
+
+
+@functools.cache
+def mma_kernel(kind, swap_registers=False):
+    """D = A·B + C with every fragment read from / written to global memory through the layout helpers.
+
+    ``swap_registers`` passes A's registers 1 and 2 in the wrong order: the
+    deliberately broken kernel the tests must catch.
+    """
+    mma = I.mma_m16n8k16_f16 if kind == "float16" else I.mma_m16n8k16_bf16
+    R1, R2 = (2, 1) if swap_registers else (1, 2)
+
+    @kernel
+    def mma_tile(a, b, c, d):
+        lane = cuda.threadIdx.x
+        ra = cuda.local.array(4, numba.uint32)
+        for r in range(4):
+            ra[r] = pack_pair(a, I.d_a_frag_index(lane, r, 0), I.d_a_frag_index(lane, r, 1))
+        rb = cuda.local.array(2, numba.uint32)
+        for r in range(2):
+            rb[r] = pack_pair(b, I.d_b_frag_index(lane, r, 0), I.d_b_frag_index(lane, r, 1))
+        rc = cuda.local.array(4, numba.float32)
+        for i in range(4):
+            rc[i] = c[I.d_c_frag_index(lane, i)]
+        out = mma(ra[0], ra[R1], ra[R2], ra[3], rb[0], rb[1], rc[0], rc[1], rc[2], rc[3])
+        for i in range(4):
+            d[I.d_c_frag_index(lane, i)] = out[i]
+
+    return mma_tile
+
+
+def check_mma(kind, rng, swap_registers=False):
+    a_bits, a = to_bits(rng.standard_normal((16, 16)), kind)
+    b_bits, b = to_bits(rng.standard_normal((16, 8)), kind)
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    d = np.full((16, 8), np.nan, dtype=np.float32)
+    launch(mma_kernel(kind, swap_registers), a_bits, b_bits, c, d)
+    ref = a @ b + c
+    # fp32 accumulation of 16 exact products: a few ulp of the magnitudes involved.
+    tol = 1e-6 * (np.abs(a) @ np.abs(b) + np.abs(c))
+    assert np.all(np.abs(d - ref) <= tol), f"max error {np.nanmax(np.abs(d - ref))}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_mma_matches_numpy(rng, kind):
+    check_mma(kind, rng)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_mma_test_catches_a_wrong_fragment(rng, kind):
+    with pytest.raises(AssertionError):
+        check_mma(kind, rng, swap_registers=True)
+
+
+# ----------------------------------------------------------------------------
+# ldmatrix (.trans) feeding mma
+# ----------------------------------------------------------------------------
+
+PITCH = 24  # row pitch of the shared tiles (elements): 48 bytes, so rows stay 16-byte aligned
+A_OFF, B_OFF, BT_OFF, LD_SMEM = 0, 16 * PITCH, 32 * PITCH, 48 * PITCH  # three tiles (elements)
+
+
+@functools.cache
+def ldmatrix_kernel(kind):
+    """Load A, B (k-major) and Bᵀ (n-major) 16×16 tiles into shared memory; ldmatrix them; two mma n-tiles each.
+
+    regs[0] = A registers (ldmatrix_x4), regs[1] = B registers from B via
+    ldmatrix_x4_trans, regs[2] = B registers from Bᵀ via ldmatrix_x4;
+    d_trans = A·B + C through regs[1], d_bt = A·B + C through regs[2].
+    """
+    mma = I.mma_m16n8k16_f16 if kind == "float16" else I.mma_m16n8k16_bf16
+
+    @kernel
+    def ldmatrix_tiles(a, b, bt, c, regs, d_trans, d_bt):
+        lane = cuda.threadIdx.x
+        smem = cuda.shared.array(LD_SMEM, numba.uint16, alignment=SMEM_ALIGN)
+        for e in range(lane, 256, 32):
+            r = e // 16
+            col = e % 16
+            smem[A_OFF + r * PITCH + col] = a[r, col]
+            smem[B_OFF + r * PITCH + col] = b[r, col]
+            smem[BT_OFF + r * PITCH + col] = bt[r, col]
+        cuda.syncthreads()  # the tiles are complete before any lane reads another's rows
+
+        row, col = I.d_ldmatrix_x4_a_address(lane)
+        qa = I.ldmatrix_x4(smem, A_OFF + row * PITCH + col)
+        vb = I.ldmatrix_x4_trans(smem, B_OFF + row * PITCH + col)
+        row, col = I.d_ldmatrix_x4_bt_address(lane)
+        kb = I.ldmatrix_x4(smem, BT_OFF + row * PITCH + col)
+        for i in range(4):
+            regs[0, lane, i] = qa[i]
+            regs[1, lane, i] = vb[i]
+            regs[2, lane, i] = kb[i]
+
+        for j in range(2):  # n-tiles: columns 8j .. 8j + 7
+            c0 = c[I.d_c_frag_index(lane, 0)[0], 8 * j + I.d_c_frag_index(lane, 0)[1]]
+            c1 = c[I.d_c_frag_index(lane, 1)[0], 8 * j + I.d_c_frag_index(lane, 1)[1]]
+            c2 = c[I.d_c_frag_index(lane, 2)[0], 8 * j + I.d_c_frag_index(lane, 2)[1]]
+            c3 = c[I.d_c_frag_index(lane, 3)[0], 8 * j + I.d_c_frag_index(lane, 3)[1]]
+            dt = mma(qa[0], qa[1], qa[2], qa[3], vb[2 * j], vb[2 * j + 1], c0, c1, c2, c3)
+            dk = mma(qa[0], qa[1], qa[2], qa[3], kb[2 * j], kb[2 * j + 1], c0, c1, c2, c3)
+            for i in range(4):
+                row, col = I.d_c_frag_index(lane, i)
+                d_trans[row, 8 * j + col] = dt[i]
+                d_bt[row, 8 * j + col] = dk[i]
+
+    return ldmatrix_tiles
+
+
+def expected_a_words(a_bits):
+    w = np.zeros((32, 4), dtype=np.uint32)
+    for lane in range(32):
+        for r in range(4):
+            lo, hi = a_bits[I.a_frag_index(lane, r, 0)], a_bits[I.a_frag_index(lane, r, 1)]
+            w[lane, r] = int(lo) | (int(hi) << 16)
+    return w
+
+
+def expected_b_words(b_bits):
+    """B registers of the two n-tiles of a 16×16 (k × n) tile: (b0, b1) of n 0..7, then of n 8..15."""
+    w = np.zeros((32, 4), dtype=np.uint32)
+    for lane in range(32):
+        for j in range(2):
+            for r in range(2):
+                (k0, n), (k1, _) = I.b_frag_index(lane, r, 0), I.b_frag_index(lane, r, 1)
+                w[lane, 2 * j + r] = int(b_bits[k0, 8 * j + n]) | (int(b_bits[k1, 8 * j + n]) << 16)
+    return w
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ldmatrix_feeds_mma(rng, kind):
+    a_bits, a = to_bits(rng.standard_normal((16, 16)), kind)
+    b_bits, b = to_bits(rng.standard_normal((16, 16)), kind)
+    c = rng.standard_normal((16, 16)).astype(np.float32)
+    regs = np.zeros((3, 32, 4), dtype=np.uint32)
+    d_trans = np.full((16, 16), np.nan, dtype=np.float32)
+    d_bt = np.full((16, 16), np.nan, dtype=np.float32)
+    launch(ldmatrix_kernel(kind), a_bits, b_bits, np.ascontiguousarray(b_bits.T), c, regs, d_trans, d_bt)
+
+    np.testing.assert_array_equal(regs[0], expected_a_words(a_bits))  # ldmatrix_x4 → A fragment
+    np.testing.assert_array_equal(regs[1], expected_b_words(b_bits))  # ldmatrix_x4_trans of B → B fragment
+    np.testing.assert_array_equal(regs[2], expected_b_words(b_bits))  # ldmatrix_x4 of Bᵀ → B fragment
+    ref = a @ b + c
+    tol = 1e-6 * (np.abs(a) @ np.abs(b) + np.abs(c))
+    assert np.all(np.abs(d_trans - ref) <= tol)
+    assert np.all(np.abs(d_bt - ref) <= tol)
+
+
+def test_ldmatrix_rejects_a_misaligned_row():
+    if not SIMULATOR:
+        pytest.skip("the alignment check is the simulator's (misaligned ldmatrix is undefined on the GPU)")
+
+    @kernel
+    def misaligned(out):
+        smem = cuda.shared.array(16 * PITCH, numba.uint16)
+        row, col = I.d_ldmatrix_x4_a_address(cuda.threadIdx.x)
+        out[cuda.threadIdx.x] = I.ldmatrix_x4(smem, row * PITCH + col + 1)[0]
+
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        launch(misaligned, np.zeros(32, dtype=np.uint32))
+
+
+# ----------------------------------------------------------------------------
+# cp.async with zero-fill
+# ----------------------------------------------------------------------------
+
+CP_ROWS, CP_D, CP_PITCH = 8, 16, 24
+CP_SMEM = CP_ROWS * CP_PITCH
+SENTINEL = 0xAAAA
+
+
+@functools.cache
+def cp_async_kernel():
+    """Copy rows [0, seqlen) of src[b, :, h] into an 8-row shared tile, zero-filling the rest.
+
+    Each of 16 lanes copies one 16-byte chunk (8 elements): full rows through
+    the plain form, the last row's second chunk with ``src_bytes = tail_bytes``
+    (a ragged tail), rows past ``seqlen`` with ``src_bytes = 0`` (their source
+    index clamped to a valid row, as real kernels must).
+    """
+
+    @kernel
+    def cp_async_tile(src, b, h, seqlen, tail_bytes, out):  # src: (batch, seq, head, dim)
+        lane = cuda.threadIdx.x
+        smem = cuda.shared.array(CP_SMEM, numba.uint16, alignment=SMEM_ALIGN)
+        for e in range(lane, CP_SMEM, 32):
+            smem[e] = SENTINEL  # so that a missing zero-fill shows
+        cuda.syncthreads()
+        if lane < 2 * CP_ROWS:
+            row = lane // 2
+            col = (lane % 2) * 8
+            dst = row * CP_PITCH + col
+            src_row = min(row, seqlen - 1)
+            if row < seqlen - 1 or (row == seqlen - 1 and col == 0):
+                I.cp_async_16(smem, dst, src, (b, src_row, h, col))
+            elif row == seqlen - 1:
+                I.cp_async_16(smem, dst, src, (b, src_row, h, col), tail_bytes)
+            else:
+                I.cp_async_16(smem, dst, src, (b, src_row, h, col), 0)
+        I.cp_async_commit()
+        I.cp_async_wait(0)
+        I.cp_async_wait_all()
+        cuda.syncthreads()  # cp.async data is visible to other threads after the wait and a barrier
+        for e in range(lane, CP_ROWS * CP_D, 32):
+            out[e // CP_D, e % CP_D] = smem[(e // CP_D) * CP_PITCH + e % CP_D]
+
+    return cp_async_tile
+
+
+@pytest.mark.parametrize("seqlen,tail_bytes", [(5, 10), (8, 16), (1, 2), (3, 0)])
+def test_cp_async_zero_fills_ragged_tail(rng, seqlen, tail_bytes):
+    # A (batch, seq, head, dim) array: rows of one head are H·D elements apart.
+    src = rng.integers(0, 2**16, size=(2, seqlen, 3, CP_D), dtype=np.uint16)
+    out = np.zeros((CP_ROWS, CP_D), dtype=np.uint16)
+    launch(cp_async_kernel(), src, 1, 2, seqlen, tail_bytes, out)
+    expect = np.zeros((CP_ROWS, CP_D), dtype=np.uint16)
+    expect[:seqlen] = src[1, :, 2]
+    expect[seqlen - 1, 8 + tail_bytes // 2 :] = 0
+    np.testing.assert_array_equal(out, expect)
+
+
+# ----------------------------------------------------------------------------
+# Packing, unpacking, ex2
+# ----------------------------------------------------------------------------
+
+
+@functools.cache
+def convert_kernel():
+    @kernel
+    def convert(x, packed, unpacked, e2):
+        lane = cuda.threadIdx.x
+        p = I.pack_f16x2(x[lane, 0], x[lane, 1])
+        q = I.pack_bf16x2(x[lane, 0], x[lane, 1])
+        packed[lane, 0] = p
+        packed[lane, 1] = q
+        lo, hi = I.unpack_f16x2(p)
+        unpacked[lane, 0] = lo
+        unpacked[lane, 1] = hi
+        lo, hi = I.unpack_bf16x2(q)
+        unpacked[lane, 2] = lo
+        unpacked[lane, 3] = hi
+        e2[lane] = I.ex2_approx(x[lane, 0])
+
+    return convert
+
+
+def ref_f16_bits(x):
+    """Round to nearest even through CPython's own half-float packing (independent of NumPy)."""
+    x = float(x)
+    if np.isnan(x):
+        return None
+    try:
+        return struct.unpack("<H", struct.pack("<e", x))[0]
+    except OverflowError:  # past the largest half (plus half an ulp): the cast gives inf
+        return 0xFC00 if x < 0 else 0x7C00
+
+
+def ref_bf16_bits(x):
+    """Round to nearest even by choosing the nearer of the two bfloat16 neighbours (ties: even mantissa)."""
+    x32 = np.float32(x)
+    bits = int(np.array(x32).view(np.uint32))
+    lo = bits >> 16
+    hi = lo + 1
+
+    def value(b):  # the all-ones exponent rounds like the next binade: 2**128
+        mag = b & 0x7FFF
+        v = 2.0**128 if mag == 0x7F80 else float(np.array(mag << 16, dtype=np.uint32).view(np.float32))
+        return -v if b & 0x8000 else v
+
+    if bits & 0xFFFF == 0:
+        return lo
+    d_lo, d_hi = abs(float(x32) - value(lo)), abs(float(x32) - value(hi))
+    return lo if d_lo < d_hi or (d_lo == d_hi and lo % 2 == 0) else hi
+
+
+SPECIAL = [0.0, -0.0, 1.0, -2.5, 1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-8, 1 + 3 * 2**-8, 65504.0, 65519.0,
+           65520.0, 1e5, 6e-8, 3e-8, 1e-40, 3.3895e38, 3.4e38, np.inf, -np.inf, 2.0**-126, -150.0, 127.9]
+
+
+def test_packs_are_bit_exact_and_unpack_inverts(rng):
+    x = rng.standard_normal(64).astype(np.float32) * np.float32(100)
+    x[: len(SPECIAL)] = SPECIAL
+    x = x.reshape(32, 2)
+    packed = np.zeros((32, 2), dtype=np.uint32)
+    unpacked = np.zeros((32, 4), dtype=np.float32)
+    e2 = np.zeros(32, dtype=np.float32)
+    launch(convert_kernel(), x, packed, unpacked, e2)
+
+    lo16 = (packed & 0xFFFF).astype(np.uint16)
+    hi16 = (packed >> 16).astype(np.uint16)
+    for lane in range(32):
+        for half, bits in ((0, lo16), (1, hi16)):  # the first argument lands in the low half
+            assert bits[lane, 0] == ref_f16_bits(x[lane, half]), (x[lane, half], hex(bits[lane, 0]))
+            assert bits[lane, 1] == ref_bf16_bits(x[lane, half]), (x[lane, half], hex(bits[lane, 1]))
+    np.testing.assert_array_equal(unpacked[:, 0:2], I.f16_bits_to_f32(np.stack([lo16[:, 0], hi16[:, 0]], 1)))
+    np.testing.assert_array_equal(unpacked[:, 2:4], I.bf16_bits_to_f32(np.stack([lo16[:, 1], hi16[:, 1]], 1)))
+
+    # ex2.approx: within 2 ulp of 2**x; results below the normal range flush to 0, above it overflow to inf.
+    f32 = np.finfo(np.float32)
+    with np.errstate(over="ignore"):
+        ref = np.exp2(x[:, 0].astype(np.float64))
+    normal = (ref >= f32.tiny) & (ref <= f32.max)
+    ulp = np.spacing(ref[normal].astype(np.float32)).astype(np.float64)
+    assert np.all(np.abs(e2[normal] - ref[normal]) <= 2 * ulp)
+    assert np.all(e2[ref < f32.tiny] == 0)
+    assert np.all(e2[ref > f32.max] == np.inf)
+    assert normal.sum() > 10 and (ref < f32.tiny).sum() >= 2 and (ref > f32.max).sum() >= 2
+
+
+# ----------------------------------------------------------------------------
+# Offline GPU compilation: NVVM → PTX → ptxas (→ SASS), no GPU needed
+# ----------------------------------------------------------------------------
+
+
+def compile_targets():
+    """``(name, kernel, signature, instructions its PTX must contain)`` for every test kernel above."""
+    from numba import types
+
+    u16, u32, f32 = types.uint16, types.uint32, types.float32
+
+    def arr(dt, nd, layout="C"):
+        return types.Array(dt, nd, layout)
+
+    out = []
+    for kind, ptx_kind in (("float16", "f16"), ("bfloat16", "bf16")):
+        mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx_kind}.{ptx_kind}.f32"
+        out.append((f"mma_{kind}", mma_kernel(kind), (arr(u16, 2), arr(u16, 2), arr(f32, 2), arr(f32, 2)), [mma]))
+        out.append((f"ldmatrix_{kind}", ldmatrix_kernel(kind),
+                    (arr(u16, 2), arr(u16, 2), arr(u16, 2), arr(f32, 2), arr(u32, 3), arr(f32, 2), arr(f32, 2)),
+                    [mma, "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+                     "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"]))
+    out.append(("cp_async", cp_async_kernel(), (arr(u16, 4), types.int64, types.int64, types.int64, types.int64,
+                                                arr(u16, 2)),
+                ["cp.async.cg.shared.global", "cp.async.commit_group", "cp.async.wait_group 0", "cp.async.wait_all"]))
+    out.append(("convert", convert_kernel(), (arr(f32, 2), arr(u32, 2), arr(f32, 2), arr(f32, 1)),
+                ["cvt.rn.f16x2.f32", "cvt.rn.bf16x2.f32", "ex2.approx.ftz.f32"]))
+    return out
+
+
+# The SASS each kernel must show (when nvdisasm is available).
+SASS = {
+    "mma_float16": ["HMMA.16816.F32"],
+    "mma_bfloat16": ["HMMA.16816.F32.BF16"],
+    "ldmatrix_float16": ["LDSM.16.M88.4", "LDSM.16.MT88.4", "HMMA.16816.F32"],
+    "ldmatrix_bfloat16": ["LDSM.16.M88.4", "LDSM.16.MT88.4", "HMMA.16816.F32.BF16"],
+    "cp_async": ["LDGSTS", "LDGSTS.E.BYPASS.128.ZFILL", "LDGDEPBAR", "DEPBAR"],
+    "convert": ["F2FP.F16.F32.PACK_AB", "F2FP.BF16.F32.PACK_AB", "MUFU.EX2"],
+}
+
+_OFFLINE_SCRIPT = r"""
+import json, os, re, subprocess, sys, tempfile
+sys.path.insert(0, sys.argv[1])
+nvdisasm = sys.argv[2] or None
+import test_intrinsics as t
+from nbflash._device import SIMULATOR, compile_ptx_offline
+assert not SIMULATOR
+from cuda.bindings import nvjitlink
+
+def assemble(ptx, arch):
+    h = nvjitlink.create(2, [f"-arch={arch}", "-verbose"])
+    data = ptx.encode()
+    nvjitlink.add_data(h, nvjitlink.InputType.PTX, data, len(data), "kernel.ptx")
+    nvjitlink.complete(h)
+    log = bytearray(nvjitlink.get_info_log_size(h))
+    nvjitlink.get_info_log(h, log)
+    cubin = bytearray(nvjitlink.get_linked_cubin_size(h))
+    nvjitlink.get_linked_cubin(h, cubin)
+    nvjitlink.destroy(h)
+    return log.decode(), bytes(cubin)
+
+for name, kern, sig, instructions in t.compile_targets():
+    for cc in ((8, 0), (9, 0)):
+        ptx = compile_ptx_offline(kern.py_func, sig, cc=cc)
+        arch = f"sm_{cc[0]}{cc[1]}"
+        log, cubin = assemble(ptx, arch)
+        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        row = dict(kernel=name, arch=arch, missing=[i for i in instructions if i not in ptx],
+                   local=len(re.findall(r"\b(?:ld|st)\.local\b", ptx)),
+                   spill_bytes=int(spills.group(1)) + int(spills.group(2)), sass=None)
+        if nvdisasm and cc == (9, 0):
+            with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+                f.write(cubin)
+            sass = subprocess.run([nvdisasm, f.name], capture_output=True, text=True, check=True).stdout
+            os.unlink(f.name)
+            row["sass"] = sorted(set(re.findall(r"\b([A-Z][A-Z0-9]+(?:\.[A-Z0-9_]+)*)\b", sass)))
+        print(json.dumps(row), flush=True)
+"""
+
+
+def find_nvdisasm():
+    """nvdisasm from $NVDISASM, the PATH, or the ``nvidia-cuda-nvdisasm`` wheel; None if absent."""
+    if os.environ.get("NVDISASM"):
+        return os.environ["NVDISASM"]
+    if shutil.which("nvdisasm"):
+        return shutil.which("nvdisasm")
+    for base in sys.path:
+        for path in glob.glob(os.path.join(base, "nvidia", "cu*", "bin", "nvdisasm")):
+            if os.access(path, os.X_OK):
+                return path
+    return None
+
+
+@functools.cache
+def offline_results():
+    pytest.importorskip("cuda.bindings.nvjitlink")
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", _OFFLINE_SCRIPT, os.path.dirname(os.path.abspath(__file__)),
+                           find_nvdisasm() or ""], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_intrinsics_compile_and_assemble_offline():
+    """Every test kernel compiles for sm_80 and sm_90 and ptxas accepts the inline PTX, with no local memory."""
+    rows = offline_results()
+    assert len(rows) == 2 * len(SASS)
+    for row in rows:
+        assert not row["missing"], row
+        assert row["local"] == 0 and row["spill_bytes"] == 0, row
+
+
+def test_intrinsics_become_tensor_core_sass():
+    """The sm_90 cubins contain HMMA / LDSM / LDGSTS (needs nvdisasm: $NVDISASM or the nvidia-cuda-nvdisasm wheel)."""
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not found")
+    rows = [r for r in offline_results() if r["arch"] == "sm_90"]
+    for row in rows:
+        missing = [op for op in SASS[row["kernel"]] if not any(t == op or t.startswith(op + ".") for t in row["sass"])]
+        assert not missing, (row["kernel"], missing)
