@@ -8,7 +8,8 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 timeout 120 python3 benchmarks/forward_sweep.py --no-check --backward --seqlens "$seqlens" \
   --out "$out" 2>&1 | grep -v '^{' | tee "$out/compare.txt"
-timeout 150 python3 -m pytest tests/test_forward.py tests/test_backward.py tests/test_torch.py tests/test_gpu.py \
+timeout 200 python3 -m pytest tests/test_forward.py tests/test_backward.py tests/test_torch.py tests/test_gpu.py \
+  tests/test_intrinsics.py tests/test_forward_tc.py \
   -q -p no:cacheprovider -n 8 -k "not compile and not sm90" > "$out/pytest-gpu.txt" 2>&1
 tail -25 "$out/pytest-gpu.txt"
 for tool in memcheck racecheck; do
