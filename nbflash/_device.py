@@ -256,13 +256,8 @@ def launch(dispatcher, grid, block, stream, shared_bytes: int, *args) -> None:
     sig = tuple(dispatcher.typeof_pyval(a) for a in args)
     if sig not in dispatcher.overloads:
         dispatcher.compile(sig)
-        set_max_dynamic_shared(dispatcher, shared_bytes_limit(shared_bytes))
+        set_max_dynamic_shared(dispatcher, shared_bytes)
     dispatcher[grid, block, stream, shared_bytes](*args)
-
-
-def shared_bytes_limit(nbytes: int) -> int:
-    """The dynamic shared-memory limit a kernel needing ``nbytes`` is given."""
-    return max(nbytes, DEFAULT_SHARED_LIMIT)
 
 
 @contextlib.contextmanager

@@ -61,6 +61,7 @@ from ._tiles import (
     pad_head_dim,
     vector_width,
 )
+from ._validate import array_module
 from .masking import d_key_range, d_row_key_end, d_tile_needs_mask
 
 
@@ -305,18 +306,7 @@ def launch_forward(cfg: TileConfig, q, k, v, o, lse, scale: float, causal: bool,
 
 def _dummy_trace(like):
     """A 1-element-per-axis array standing in for the unused trace argument."""
-    xp = _array_module(like)
-    return xp.zeros((1, 1, 1, 1, 2), dtype=like.dtype)
-
-
-def _array_module(a):
-    if type(a).__module__.split(".")[0] == "cupy":
-        import cupy
-
-        return cupy
-    import numpy
-
-    return numpy
+    return array_module(like).zeros((1, 1, 1, 1, 2), dtype=like.dtype)
 
 
 

@@ -24,8 +24,9 @@ answers come from the functions below (compiled as device functions in
   entirely above the diagonal are skipped, never computed and masked.
 * :func:`query_range` — which query tiles can see a key tile (the backward
   pass, parallel over keys, loops over these)?
-* :func:`tile_needs_mask` / :func:`is_visible` — does a tile straddle the
-  diagonal or the ragged end of a sequence, and then which elements survive?
+* :func:`tile_needs_mask` / :func:`row_key_end` — does a tile straddle the
+  diagonal or the ragged end of a sequence, and then which keys does each
+  row keep (always a prefix ``[0, row_key_end)``)?
 
 Later features (sliding windows, variable lengths, GQA) change these
 functions, not the kernels.
@@ -36,11 +37,6 @@ from __future__ import annotations
 import types
 
 from ._device import device_function
-
-
-def _causal_shift(seqlen_q, seqlen_k):
-    """Offset of the causal diagonal: query i sees keys j <= i + shift."""
-    return seqlen_k - seqlen_q
 
 
 def _row_key_end(i, seqlen_q, seqlen_k, causal):
@@ -87,18 +83,11 @@ def _tile_needs_mask(q_start, k_start, block_m, block_n, seqlen_q, seqlen_k, cau
     return _row_key_end(q_start, seqlen_q, seqlen_k, causal) < k_start + block_n
 
 
-def _is_visible(i, j, seqlen_q, seqlen_k, causal):
-    """Does query ``i`` attend to key ``j``?"""
-    return j < _row_key_end(i, seqlen_q, seqlen_k, causal)
-
-
 # Host versions (plain Python) ...
-causal_shift = _causal_shift
 row_key_end = _row_key_end
 key_range = _key_range
 query_range = _query_range
 tile_needs_mask = _tile_needs_mask
-is_visible = _is_visible
 
 
 # ... and the same source compiled for kernels, each calling the device
@@ -114,4 +103,3 @@ _DEVICE_NAMES = {"_row_key_end": d_row_key_end}
 d_key_range = _for_device(_key_range, _DEVICE_NAMES)
 d_query_range = _for_device(_query_range, _DEVICE_NAMES)
 d_tile_needs_mask = _for_device(_tile_needs_mask, _DEVICE_NAMES)
-d_is_visible = _for_device(_is_visible, _DEVICE_NAMES)

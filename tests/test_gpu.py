@@ -88,3 +88,18 @@ def test_side_stream_cupy():
         o2 = o + 0.0
     stream.synchronize()
     np.testing.assert_array_equal(o2.get(), expected)
+
+
+def test_dynamic_shared_memory_limit_was_raised():
+    """A tile configuration needing > 48 KB of shared memory runs because its kernel's limit was raised."""
+    import cupy as cp
+
+    from nbflash._device import max_dynamic_shared
+    from nbflash.forward import choose_config, forward_kernel, shared_bytes
+
+    cfg = choose_config(128, "float32")
+    assert shared_bytes(cfg) > 48 * 1024
+    q = cp.random.standard_normal((1, 1, 300, 128), dtype=cp.float32)
+    nbflash.attention(q, q, q)
+    limits = max_dynamic_shared(forward_kernel(cfg))
+    assert limits and all(limit >= shared_bytes(cfg) for limit in limits)
