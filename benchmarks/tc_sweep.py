@@ -1,0 +1,222 @@
+"""Tensor-core forward on the GPU: correctness at real sizes, and a tile sweep against SDPA.
+
+Run on a CUDA machine (CuPy and PyTorch needed)::
+
+    python benchmarks/tc_sweep.py --out benchmarks/results
+
+1. For each candidate tile configuration of :mod:`nbflash.forward_tc`: the
+   compile time, and registers / shared / local memory of the compiled kernel.
+2. Correctness: each configuration against a float64 reference over odd sizes,
+   causal and not, both layouts; the error must stay within twice that of
+   PyTorch's own fp16/bf16 math attention (the flash-attn rule).  Outputs are
+   poisoned (NaN) before every run.
+3. Timing at batch·N = 16k, heads·D = 2048 next to SDPA's flash and cuDNN
+   backends in the same run: medians of CUDA-event timings after warm-up,
+   inputs rotated over several sets so the L2 cache does not flatter.
+
+Results go to ``<out>/tc-forward-<device>-<date>.json`` (device, versions, commit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import cupy as cp
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.forward_sweep import environment  # noqa: E402
+from nbflash import forward_tc as T  # noqa: E402
+
+KIND = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+CANDIDATES = {64: [(64, 64), (128, 64), (64, 128), (128, 32)], 128: [(64, 32), (64, 64), (128, 32), (128, 64)]}
+
+
+def as_cupy(t: torch.Tensor):
+    """Zero-copy CuPy view (bfloat16 as its uint16 bits)."""
+    if t.dtype == torch.bfloat16:
+        return cp.from_dlpack(t.view(torch.int16)).view(cp.uint16)
+    return cp.from_dlpack(t)
+
+
+def run_tc(cfg, q, k, v, causal, layout="bhsd"):
+    """Launch the tensor-core forward on torch tensors; returns (o, lse) tensors."""
+    o = torch.full_like(q, float("nan"))
+    b, n_q, h = (q.shape[0], q.shape[2], q.shape[1]) if layout == "bhsd" else (q.shape[0], q.shape[1], q.shape[2])
+    lse = torch.full((b, h, n_q), float("nan"), device=q.device)
+    canon = (lambda x: x) if layout == "bhsd" else (lambda x: x.transpose(1, 2))
+    qc, kc, vc, oc = (canon(as_cupy(x)) for x in (q, k, v, o))
+    T.launch_forward_tc(cfg, qc, kc, vc, oc, as_cupy(lse), 1 / math.sqrt(q.shape[-1]), causal)
+    return o, lse
+
+
+def ref(q, k, v, causal, dtype=torch.float64):
+    """Materialised attention in ``dtype`` (bottom-right causal), (B, H, N, D)."""
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    s = (q @ k.transpose(-1, -2)) * (1 / math.sqrt(q.shape[-1]))
+    if causal:
+        nq, nk = q.shape[2], k.shape[2]
+        i = torch.arange(nq, device=q.device)[:, None]
+        j = torch.arange(nk, device=q.device)[None, :]
+        s = s.masked_fill(j > i + nk - nq, -math.inf)
+    lse = torch.logsumexp(s.double(), -1)
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return p @ v, lse
+
+
+def check(log, cfgs, dtypes):
+    failures = 0
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for cfg in cfgs:
+        dtype = next(d for d, k in KIND.items() if k == cfg.input_kind)
+        if dtype not in dtypes:
+            continue
+        worst = 0.0
+        for n_q, n_k, causal, layout in [
+            (97, 97, False, "bhsd"),
+            (200, 97, True, "bhsd"),
+            (97, 200, True, "bshd"),
+            (1025, 1025, True, "bhsd"),
+            (1025, 2048, False, "bshd"),
+            (2048, 2048, True, "bshd"),
+            (128, 128, False, "bhsd"),
+        ]:
+            d = cfg.head_dim
+            shp = (lambda n: (2, 3, n, d)) if layout == "bhsd" else (lambda n: (2, n, 3, d))
+            q, k, v = (torch.randn(shp(n), device="cuda", dtype=dtype, generator=g) for n in (n_q, n_k, n_k))
+            o, lse = run_tc(cfg, q, k, v, causal, layout)
+            canon = (lambda x: x) if layout == "bhsd" else (lambda x: x.transpose(1, 2))
+            qb, kb, vb, ob = (canon(x) for x in (q, k, v, o))
+            r, rl = ref(qb, kb, vb, causal)
+            naive, _ = ref(qb, kb, vb, causal, dtype)
+            err = (ob.double() - r).abs().max().item()
+            nerr = (naive.double() - r).abs().max().item()
+            lerr = (lse.double() - rl).abs().max().item()
+            ok = math.isfinite(err) and err <= 2 * nerr + 1e-5 and lerr < 1e-3 and not torch.isnan(o).any()
+            worst = max(worst, err / max(nerr, 1e-9))
+            if not ok:
+                failures += 1
+                log(f"FAIL {cfg} {n_q}x{n_k} causal={causal} {layout}: err {err:.2e} naive {nerr:.2e} lse {lerr:.2e}")
+        log(f"check {cfg.block_m}x{cfg.block_n} D{cfg.head_dim} {cfg.input_kind}: worst err/naive {worst:.2f}")
+    return failures
+
+
+def cuda_time_ms(fn, n_sets, reps=30, warmup=3):
+    for i in range(warmup):
+        fn(i % n_sets)
+    torch.cuda.synchronize()
+    times = []
+    for r in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn(r % n_sets)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def time_row(sets, causal, fl, cfgs):
+    """TFLOP/s of SDPA flash, SDPA cuDNN and each tensor-core configuration on the same input sets."""
+    row = {}
+    for name, be in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel(be):
+                ms = cuda_time_ms(lambda i: F.scaled_dot_product_attention(*sets[i], is_causal=causal), len(sets))
+            row[name] = fl / ms / 1e9
+        except Exception as e:  # a backend that cannot run here says why
+            row[name] = type(e).__name__
+    b, h, n, d = sets[0][0].shape
+    outs = [(torch.empty_like(s[0]), torch.empty(b, h, n, device="cuda")) for s in sets]
+    cargs = [tuple(as_cupy(x) for x in (*s, *o)) for s, o in zip(sets, outs, strict=True)]
+    for cfg in cfgs:
+        ms = cuda_time_ms(lambda i, cfg=cfg: T.launch_forward_tc(cfg, *cargs[i], 1 / math.sqrt(d), causal), len(sets))
+        row[f"nb-{cfg.block_m}x{cfg.block_n}"] = fl / ms / 1e9
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--seqlens", default="1024,4096,16384")
+    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--dtypes", default="bf16,fp16")
+    ap.add_argument("--no-check", action="store_true")
+    args = ap.parse_args()
+    dtypes = [{"bf16": torch.bfloat16, "fp16": torch.float16}[s] for s in args.dtypes.split(",")]
+    dims = [int(x) for x in args.dims.split(",")]
+    seqlens = [int(x) for x in args.seqlens.split(",") if x]
+    lines = []
+
+    def log(msg):
+        print(msg, flush=True)
+        lines.append(msg)
+
+    env = environment()
+    log(json.dumps(env))
+    cfgs = [T.TCConfig(bm, bn, d, KIND[dt]) for d in dims for dt in dtypes for bm, bn in CANDIDATES[d]]
+    compiled = []
+    for cfg in cfgs:
+        t0 = time.perf_counter()
+        try:
+            dt = next(d for d, k in KIND.items() if k == cfg.input_kind)
+            x = torch.randn(1, 1, 64, cfg.head_dim, device="cuda", dtype=dt)
+            run_tc(cfg, x, x, x, False)
+            torch.cuda.synchronize()
+        except Exception as e:  # a configuration that cannot compile or launch is reported, not fatal
+            log(f"{cfg}: {type(e).__name__}: {e}")
+            continue
+        disp = T.forward_tc_kernel(cfg)
+        kern = next(iter(disp.overloads.values()))
+        info = {a: getattr(kern, a, None) for a in ("regs_per_thread", "local_mem_per_thread", "shared_mem_per_block")}
+        name = f"{cfg.block_m}x{cfg.block_n} D{cfg.head_dim} {cfg.input_kind}"
+        log(f"compiled {name} in {time.perf_counter() - t0:.1f} s: {info} dynamic smem {T.shared_bytes(cfg)}")
+        compiled.append((cfg, info))
+    if not args.no_check:
+        fails = check(log, [c for c, _ in compiled], dtypes)
+        log(f"correctness failures: {fails}")
+
+    results = []
+    for d in dims:
+        for dt in dtypes:
+            for causal in (False, True):
+                for n in seqlens:
+                    b, h = max(1, 16384 // n), 2048 // d
+                    sets = [tuple(torch.randn(b, h, n, d, device="cuda", dtype=dt) for _ in range(3)) for _ in range(3)]
+                    fl = 4.0 * b * h * n * n * d / (2 if causal else 1)
+                    row = {"dtype": str(dt).split(".")[-1], "D": d, "causal": causal, "N": n, "B": b, "H": h}
+                    row.update(
+                        time_row(
+                            sets, causal, fl, [c for c, _ in compiled if c.head_dim == d and c.input_kind == KIND[dt]]
+                        )
+                    )
+                    results.append(row)
+                    log(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    os.makedirs(args.out, exist_ok=True)
+    dev = torch.cuda.get_device_name().replace(" ", "-")
+    path = os.path.join(args.out, f"tc-forward-{dev}-{datetime.date.today()}.json")
+    with open(path, "w") as f:
+        json.dump(
+            {
+                "environment": env,
+                "configs": [{"cfg": str(c), **i} for c, i in compiled],
+                "results": results,
+                "log": lines,
+            },
+            f,
+            indent=1,
+        )
+    log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
