@@ -38,7 +38,8 @@ from benchmarks.forward_sweep import environment  # noqa: E402
 from nbflash import forward_tc as T  # noqa: E402
 
 KIND = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
-CANDIDATES = {64: [(64, 64), (128, 64), (64, 128), (128, 32)], 128: [(64, 32), (64, 64), (128, 32), (128, 64)]}
+# (64, 128) at D = 64 and 64-key tiles at D = 128 spill to local memory (first H200 run): left out.
+CANDIDATES = {64: [(64, 64), (128, 64), (128, 32)], 128: [(64, 32), (128, 32)]}
 
 
 def as_cupy(t: torch.Tensor):
@@ -53,7 +54,7 @@ def run_tc(cfg, q, k, v, causal, layout="bhsd"):
     o = torch.full_like(q, float("nan"))
     b, n_q, h = (q.shape[0], q.shape[2], q.shape[1]) if layout == "bhsd" else (q.shape[0], q.shape[1], q.shape[2])
     lse = torch.full((b, h, n_q), float("nan"), device=q.device)
-    canon = (lambda x: x) if layout == "bhsd" else (lambda x: x.transpose(1, 2))
+    canon = (lambda x: x) if layout == "bhsd" else (lambda x: x.swapaxes(1, 2))
     qc, kc, vc, oc = (canon(as_cupy(x)) for x in (q, k, v, o))
     T.launch_forward_tc(cfg, qc, kc, vc, oc, as_cupy(lse), 1 / math.sqrt(q.shape[-1]), causal)
     return o, lse
@@ -94,13 +95,15 @@ def check(log, cfgs, dtypes):
             shp = (lambda n: (2, 3, n, d)) if layout == "bhsd" else (lambda n: (2, n, 3, d))
             q, k, v = (torch.randn(shp(n), device="cuda", dtype=dtype, generator=g) for n in (n_q, n_k, n_k))
             o, lse = run_tc(cfg, q, k, v, causal, layout)
-            canon = (lambda x: x) if layout == "bhsd" else (lambda x: x.transpose(1, 2))
+            canon = (lambda x: x) if layout == "bhsd" else (lambda x: x.swapaxes(1, 2))
             qb, kb, vb, ob = (canon(x) for x in (q, k, v, o))
             r, rl = ref(qb, kb, vb, causal)
             naive, _ = ref(qb, kb, vb, causal, dtype)
             err = (ob.double() - r).abs().max().item()
             nerr = (naive.double() - r).abs().max().item()
-            lerr = (lse.double() - rl).abs().max().item()
+            seen = torch.isfinite(rl)  # rows that see no key: lse must be -inf there
+            lerr = (lse.double() - rl)[seen].abs().max().item() if seen.any() else 0.0
+            lerr = lerr if bool((lse[~seen] == -math.inf).all()) else math.inf
             ok = math.isfinite(err) and err <= 2 * nerr + 1e-5 and lerr < 1e-3 and not torch.isnan(o).any()
             worst = max(worst, err / max(nerr, 1e-9))
             if not ok:

@@ -53,13 +53,22 @@ import functools
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from . import intrinsics as I
 from ._device import SIMULATOR, cuda, device_function, kernel, launch, max_shared_per_block, numba, shfl_xor
 from ._tiles import LN2, LOG2E, make_storer
 from .masking import d_key_range, d_row_key_end, d_tile_needs_mask
 
-__all__ = ["TCConfig", "can_implement", "choose_config", "forward_tc_kernel", "kernel_signature", "launch_forward_tc",
-           "shared_bytes"]
+__all__ = [
+    "TCConfig",
+    "can_implement",
+    "choose_config",
+    "forward_tc_kernel",
+    "kernel_signature",
+    "launch_forward_tc",
+    "shared_bytes",
+]
 
 
 @dataclass(frozen=True)
@@ -121,24 +130,43 @@ def forward_tc_kernel(cfg: TCConfig):
     D_TILES = D // 8  # 8-wide column tiles of O
     K_STEPS = D // 16  # k-steps of Q K^T
     PV_STEPS = BLOCK_N // 16  # k-steps of P V
-    NEG_INF = -math.inf
+    NEG_INF = numba.float32(-math.inf)  # a float32 constant: a Python float would make the softmax float64
+    ZERO = numba.float32(0)
     FULL = 0xFFFFFFFF
+    u64 = numba.uint64
     SMEM_ALIGN = None if SIMULATOR else 16
     mma = I.mma_m16n8k16_f16 if cfg.input_kind == "float16" else I.mma_m16n8k16_bf16
     pack = I.pack_f16x2 if cfg.input_kind == "float16" else I.pack_bf16x2
     to_out = make_storer(cfg.input_kind)
 
-    def load_tile(smem, offset, src, b, h, start, seqlen, tid, ROWS):
-        """cp.async rows [start, start + ROWS) of src[b, h] to smem[offset + r·PITCH]; rows past seqlen zero-filled."""
-        for c in range(tid, ROWS * CHUNKS, THREADS):
-            r = c // CHUNKS
-            col = (c % CHUNKS) * 8
-            row = start + r
-            nbytes = 16 if row < seqlen else 0
-            row = min(row, seqlen - 1)  # a valid address even when nothing is read
-            I.cp_async_16(smem, offset + r * PITCH + col, src, (b, h, row, col), nbytes)
+    def make_load_tile(ROWS):
+        """``load_tile(smem, offset, src, b, h, start, seqlen, tid)``: cp.async rows ``[start, start + ROWS)``
+        of ``src[b, h]`` to ``smem[offset + r·PITCH]``, rows past ``seqlen`` zero-filled.
 
-    load_tile = device_function(load_tile)
+        Each thread copies the 16-byte chunks ``tid, tid + THREADS, ...`` of the
+        tile: a loop of constant trip count (unrolled), in unsigned arithmetic
+        so that ``//`` and ``%`` by the power-of-two CHUNKS are shifts and masks.
+        """
+        ITERS = -(-ROWS * CHUNKS // THREADS)
+        EXACT = ROWS * CHUNKS % THREADS == 0
+
+        U_CHUNKS, U_PITCH, U_THREADS, U_TOTAL = (np.uint64(x) for x in (CHUNKS, PITCH, THREADS, ROWS * CHUNKS))
+
+        def load_tile(smem, offset, src, b, h, start, seqlen, tid):
+            for it in range(ITERS):
+                c = u64(tid) + u64(it) * U_THREADS
+                if EXACT or c < U_TOTAL:
+                    r = c // U_CHUNKS
+                    col = (c % U_CHUNKS) * u64(8)
+                    row = u64(start) + r
+                    nbytes = 16 if row < u64(seqlen) else 0
+                    row = min(row, u64(seqlen - 1))  # a valid address even when nothing is read
+                    I.cp_async_16(smem, u64(offset) + r * U_PITCH + col, src, (b, h, row, col), nbytes)
+
+        return device_function(load_tile)
+
+    load_q = make_load_tile(BLOCK_M)
+    load_kv = make_load_tile(BLOCK_N)
 
     @kernel(fastmath=True)
     def flash_forward_tc(q, k, v, o, lse, qk_scale_log2, causal):
@@ -173,10 +201,10 @@ def forward_tc_kernel(cfg: TCConfig):
         # Step 1: Q_i and the first K/V tile, one cp.async group.
         _, k_end = d_key_range(q_start, BLOCK_M, seqlen_q, seqlen_k, causal)
         n_tiles = (k_end + BLOCK_N - 1) // BLOCK_N
-        load_tile(smem, 0, q, b, h, q_start, seqlen_q, tid, BLOCK_M)
+        load_q(smem, 0, q, b, h, q_start, seqlen_q, tid)
         if n_tiles > 0:
-            load_tile(smem, K_OFF, k, b, h, 0, seqlen_k, tid, BLOCK_N)
-            load_tile(smem, V_OFF, v, b, h, 0, seqlen_k, tid, BLOCK_N)
+            load_kv(smem, K_OFF, k, b, h, 0, seqlen_k, tid)
+            load_kv(smem, V_OFF, v, b, h, 0, seqlen_k, tid)
         I.cp_async_commit()
 
         # ldmatrix addresses of this lane inside a 16×16 tile (see nbflash.intrinsics).
@@ -188,8 +216,8 @@ def forward_tc_kernel(cfg: TCConfig):
             buf = j % 2
             # Step 2a: prefetch tile j + 1 into the other buffer, then wait for tile j.
             if j + 1 < n_tiles:
-                load_tile(smem, K_OFF + (1 - buf) * KV_STRIDE, k, b, h, k_start + BLOCK_N, seqlen_k, tid, BLOCK_N)
-                load_tile(smem, V_OFF + (1 - buf) * KV_STRIDE, v, b, h, k_start + BLOCK_N, seqlen_k, tid, BLOCK_N)
+                load_kv(smem, K_OFF + (1 - buf) * KV_STRIDE, k, b, h, k_start + BLOCK_N, seqlen_k, tid)
+                load_kv(smem, V_OFF + (1 - buf) * KV_STRIDE, v, b, h, k_start + BLOCK_N, seqlen_k, tid)
             I.cp_async_commit()  # possibly empty: keeps "wait for all but the newest group" uniform
             I.cp_async_wait(1)
             cuda.syncthreads()  # every thread's copies of tile j (and Q) are visible
@@ -211,29 +239,43 @@ def forward_tc_kernel(cfg: TCConfig):
                     kb = I.ldmatrix_x4(smem, k_base + (16 * n2 + bt_row) * PITCH + 16 * kk + bt_col)
                     for half in range(2):
                         n = 2 * n2 + half
-                        d = mma(qf[kk, 0], qf[kk, 1], qf[kk, 2], qf[kk, 3], kb[2 * half], kb[2 * half + 1],
-                                S[n, 0], S[n, 1], S[n, 2], S[n, 3])
+                        d = mma(
+                            qf[kk, 0],
+                            qf[kk, 1],
+                            qf[kk, 2],
+                            qf[kk, 3],
+                            kb[2 * half],
+                            kb[2 * half + 1],
+                            S[n, 0],
+                            S[n, 1],
+                            S[n, 2],
+                            S[n, 3],
+                        )
                         for i in range(4):
                             S[n, i] = d[i]
 
             # Step 2d: online softmax, base 2.  Value i of tile n is row g + 8(i >> 1), key 8n + 2t + (i & 1).
-            masked = d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal)
+            if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
+                for r in range(2):
+                    first_hidden = key_end[r] - k_start - 2 * t  # tile-local: key 8n + c hidden iff ≥ this
+                    for n in range(N_TILES):
+                        for c in range(2):
+                            if 8 * n + c >= first_hidden:  # past the ragged end, or above the diagonal
+                                S[n, 2 * r + c] = NEG_INF
             for r in range(2):
                 m_tile = NEG_INF
                 for n in range(N_TILES):
                     for c in range(2):
                         s = S[n, 2 * r + c] * scale_log2
-                        if masked and k_start + 8 * n + 2 * t + c >= key_end[r]:
-                            s = NEG_INF  # invisible: past the ragged end, or above the diagonal
                         S[n, 2 * r + c] = s
                         m_tile = max(m_tile, s)
                 m_tile = max(m_tile, shfl_xor(FULL, m_tile, 1))  # the row's quad: lanes 4g .. 4g + 3
                 m_tile = max(m_tile, shfl_xor(FULL, m_tile, 2))
                 m_new = max(m_i[r], m_tile)
-                m_ref = m_new if m_new != NEG_INF else numba.float32(0)  # a row with no key yet keeps P = 0
+                m_ref = m_new if m_new != NEG_INF else ZERO  # a row with no key yet keeps P = 0
                 alpha = I.ex2_approx(m_i[r] - m_ref)
                 m_i[r] = m_new
-                p_sum = numba.float32(0)
+                p_sum = ZERO
                 for n in range(N_TILES):
                     for c in range(2):
                         p = I.ex2_approx(S[n, 2 * r + c] - m_ref)
@@ -255,8 +297,18 @@ def forward_tc_kernel(cfg: TCConfig):
                     vb = I.ldmatrix_x4_trans(smem, v_base + (16 * kk + a_row) * PITCH + 16 * d2 + a_col)
                     for half in range(2):
                         dt = 2 * d2 + half
-                        d = mma(pa0, pa1, pa2, pa3, vb[2 * half], vb[2 * half + 1],
-                                acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3])
+                        d = mma(
+                            pa0,
+                            pa1,
+                            pa2,
+                            pa3,
+                            vb[2 * half],
+                            vb[2 * half + 1],
+                            acc[dt, 0],
+                            acc[dt, 1],
+                            acc[dt, 2],
+                            acc[dt, 3],
+                        )
                         for i in range(4):
                             acc[dt, i] = d[i]
             cuda.syncthreads()  # everyone is done with buffer `buf` before iteration j + 1 refills it
