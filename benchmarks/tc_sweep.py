@@ -38,8 +38,19 @@ from benchmarks.forward_sweep import environment  # noqa: E402
 from nbflash import forward_tc as T  # noqa: E402
 
 KIND = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
-# (64, 128) at D = 64 and 64-key tiles at D = 128 spill to local memory (first H200 run): left out.
-CANDIDATES = {64: [(64, 64), (128, 64), (128, 32)], 128: [(64, 32), (128, 32)]}
+# (block_m, block_n, q_in_regs) per head dim.
+CANDIDATES = {
+    64: [(64, 64, True), (128, 64, True), (64, 128, False)],
+    128: [(64, 32, True), (64, 64, True), (64, 64, False), (128, 64, False), (128, 32, True)],
+    256: [(64, 32, False)],
+}
+#: Head dims checked for correctness only (the default configuration).
+CHECK_ONLY = (40, 96, 256)
+
+
+def tag(cfg) -> str:
+    """``64x32`` (Q fragments in registers) or ``64x32s`` (Q re-read from shared memory)."""
+    return f"{cfg.block_m}x{cfg.block_n}{'' if cfg.q_in_regs else 's'}"
 
 
 def as_cupy(t: torch.Tensor):
@@ -109,7 +120,7 @@ def check(log, cfgs, dtypes):
             if not ok:
                 failures += 1
                 log(f"FAIL {cfg} {n_q}x{n_k} causal={causal} {layout}: err {err:.2e} naive {nerr:.2e} lse {lerr:.2e}")
-        log(f"check {cfg.block_m}x{cfg.block_n} D{cfg.head_dim} {cfg.input_kind}: worst err/naive {worst:.2f}")
+        log(f"check {tag(cfg)} D{cfg.head_dim} {cfg.input_kind}: worst err/naive {worst:.2f}")
     return failures
 
 
@@ -143,7 +154,7 @@ def time_row(sets, causal, fl, cfgs):
     cargs = [tuple(as_cupy(x) for x in (*s, *o)) for s, o in zip(sets, outs, strict=True)]
     for cfg in cfgs:
         ms = cuda_time_ms(lambda i, cfg=cfg: T.launch_forward_tc(cfg, *cargs[i], 1 / math.sqrt(d), causal), len(sets))
-        row[f"nb-{cfg.block_m}x{cfg.block_n}"] = fl / ms / 1e9
+        row[f"nb-{tag(cfg)}"] = fl / ms / 1e9
     return row
 
 
@@ -166,7 +177,8 @@ def main():
 
     env = environment()
     log(json.dumps(env))
-    cfgs = [T.TCConfig(bm, bn, d, KIND[dt]) for d in dims for dt in dtypes for bm, bn in CANDIDATES[d]]
+    cfgs = [T.TCConfig(bm, bn, d, KIND[dt], qr) for d in dims for dt in dtypes for bm, bn, qr in CANDIDATES[d]]
+    cfgs += [T.choose_config(d, KIND[dt]) for d in CHECK_ONLY if d not in dims for dt in dtypes]
     compiled = []
     for cfg in cfgs:
         t0 = time.perf_counter()
@@ -181,7 +193,7 @@ def main():
         disp = T.forward_tc_kernel(cfg)
         kern = next(iter(disp.overloads.values()))
         info = {a: getattr(kern, a, None) for a in ("regs_per_thread", "local_mem_per_thread", "shared_mem_per_block")}
-        name = f"{cfg.block_m}x{cfg.block_n} D{cfg.head_dim} {cfg.input_kind}"
+        name = f"{tag(cfg)} D{cfg.head_dim} {cfg.input_kind}"
         log(f"compiled {name} in {time.perf_counter() - t0:.1f} s: {info} dynamic smem {T.shared_bytes(cfg)}")
         compiled.append((cfg, info))
     if not args.no_check:

@@ -73,20 +73,27 @@ __all__ = [
 
 @dataclass(frozen=True)
 class TCConfig:
-    """Compile-time constants of the tensor-core forward kernel."""
+    """Compile-time constants of the tensor-core forward kernel.
+
+    ``block_m`` query rows per block, 16 per warp.  ``q_in_regs`` keeps the
+    warp's Q fragments in registers for the whole kernel; otherwise they are
+    re-read from shared memory for every key tile (fewer registers: needed for
+    large head dims).
+    """
 
     block_m: int  # query rows per block: 16 per warp
     block_n: int  # keys per K/V tile
-    head_dim: int  # D, a multiple of 16
+    head_dim: int  # D, a multiple of 8 up to 256 (padded to 16 inside)
     input_kind: str  # "float16" or "bfloat16"
+    q_in_regs: bool = True
 
     def __post_init__(self):
         if self.block_m not in (16, 32, 64, 128):
             raise ValueError(f"block_m must be 16, 32, 64 or 128 (16 rows per warp), got {self.block_m}")
         if self.block_n <= 0 or self.block_n % 16:
             raise ValueError(f"block_n must be a positive multiple of 16, got {self.block_n}")
-        if self.head_dim <= 0 or self.head_dim % 16 or self.head_dim > 128:
-            raise ValueError(f"head_dim must be a multiple of 16 up to 128, got {self.head_dim}")
+        if self.head_dim <= 0 or self.head_dim % 8 or self.head_dim > 256:
+            raise ValueError(f"head_dim must be a multiple of 8 up to 256, got {self.head_dim}")
         if self.input_kind not in ("float16", "bfloat16"):
             raise ValueError(f"input_kind must be 'float16' or 'bfloat16', got {self.input_kind!r}")
 
@@ -99,9 +106,14 @@ class TCConfig:
         return 32 * self.warps
 
     @property
+    def d_pad(self) -> int:
+        """D rounded up to the mma's k = 16; the padding columns are zero in shared memory."""
+        return -(-self.head_dim // 16) * 16
+
+    @property
     def pitch(self) -> int:
-        """Row pitch of the shared tiles (elements): D plus one 16-byte chunk against bank conflicts."""
-        return self.head_dim + 8
+        """Row pitch of the shared tiles (elements): padded D plus one 16-byte chunk against bank conflicts."""
+        return self.d_pad + 8
 
 
 def shared_offsets(cfg: TCConfig) -> tuple[int, int, int]:
@@ -121,14 +133,17 @@ def shared_bytes(cfg: TCConfig) -> int:
 @functools.cache
 def forward_tc_kernel(cfg: TCConfig):
     """The compiled tensor-core forward kernel for one configuration (cached)."""
-    BLOCK_M, BLOCK_N, D = cfg.block_m, cfg.block_n, cfg.head_dim
+    BLOCK_M, BLOCK_N, D, D_PAD = cfg.block_m, cfg.block_n, cfg.head_dim, cfg.d_pad
     THREADS, PITCH = cfg.threads, cfg.pitch
+    Q_IN_REGS = cfg.q_in_regs
     K_OFF, V_OFF, _ = shared_offsets(cfg)
     KV_STRIDE = BLOCK_N * PITCH  # elements from one K (or V) buffer to the other
-    CHUNKS = D // 8  # 16-byte chunks per row
+    CHUNKS = D_PAD // 8  # 16-byte chunks per shared row ...
+    DATA_CHUNKS = D // 8  # ... of which these hold data (the rest is zero padding)
     N_TILES = BLOCK_N // 8  # 8-key column tiles of S
-    D_TILES = D // 8  # 8-wide column tiles of O
-    K_STEPS = D // 16  # k-steps of Q K^T
+    D_TILES = D_PAD // 8  # 8-wide column tiles of O
+    K_STEPS = D_PAD // 16  # k-steps of Q K^T
+    QF_STEPS = K_STEPS if Q_IN_REGS else 1  # Q fragments held at once
     PV_STEPS = BLOCK_N // 16  # k-steps of P V
     NEG_INF = numba.float32(-math.inf)  # a float32 constant: a Python float would make the softmax float64
     ZERO = numba.float32(0)
@@ -141,7 +156,8 @@ def forward_tc_kernel(cfg: TCConfig):
 
     def make_load_tile(ROWS):
         """``load_tile(smem, offset, src, b, h, start, seqlen, tid)``: cp.async rows ``[start, start + ROWS)``
-        of ``src[b, h]`` to ``smem[offset + r·PITCH]``, rows past ``seqlen`` zero-filled.
+        of ``src[b, h]`` to ``smem[offset + r·PITCH]``; rows past ``seqlen`` and the columns of the head-dim
+        padding are zero-filled (a copy of 0 source bytes).
 
         Each thread copies the 16-byte chunks ``tid, tid + THREADS, ...`` of the
         tile: a loop of constant trip count (unrolled), in unsigned arithmetic
@@ -149,19 +165,20 @@ def forward_tc_kernel(cfg: TCConfig):
         """
         ITERS = -(-ROWS * CHUNKS // THREADS)
         EXACT = ROWS * CHUNKS % THREADS == 0
-
         U_CHUNKS, U_PITCH, U_THREADS, U_TOTAL = (np.uint64(x) for x in (CHUNKS, PITCH, THREADS, ROWS * CHUNKS))
+        U_DATA = np.uint64(DATA_CHUNKS)
 
         def load_tile(smem, offset, src, b, h, start, seqlen, tid):
             for it in range(ITERS):
                 c = u64(tid) + u64(it) * U_THREADS
                 if EXACT or c < U_TOTAL:
                     r = c // U_CHUNKS
-                    col = (c % U_CHUNKS) * u64(8)
+                    chunk = c % U_CHUNKS
                     row = u64(start) + r
-                    nbytes = 16 if row < u64(seqlen) else 0
+                    nbytes = 16 if row < u64(seqlen) and (DATA_CHUNKS == CHUNKS or chunk < U_DATA) else 0
                     row = min(row, u64(seqlen - 1))  # a valid address even when nothing is read
-                    I.cp_async_16(smem, u64(offset) + r * U_PITCH + col, src, (b, h, row, col), nbytes)
+                    col = min(chunk, U_DATA - u64(1)) * u64(8)
+                    I.cp_async_16(smem, u64(offset) + r * U_PITCH + chunk * u64(8), src, (b, h, row, col), nbytes)
 
         return device_function(load_tile)
 
@@ -183,19 +200,20 @@ def forward_tc_kernel(cfg: TCConfig):
         t = lane % 4  # ... and columns 2t, 2t + 1 of every 8-column tile
         smem = cuda.shared.array(0, numba.uint16, alignment=SMEM_ALIGN)
 
-        qf = cuda.local.array((K_STEPS, 4), numba.uint32)  # Q A-fragments, one set per k-step
+        # Register arrays: NVVM unrolls every loop over them, so they never touch local memory.
+        qf = cuda.local.array((QF_STEPS, 4), numba.uint32)  # Q A-fragments, one set per k-step
         S = cuda.local.array((N_TILES, 4), numba.float32)  # S (then P) accumulators
         acc = cuda.local.array((D_TILES, 4), numba.float32)  # O accumulators
         m_i = cuda.local.array(2, numba.float32)  # rows g, g + 8: running max (base-2 scaled) ...
-        l_i = cuda.local.array(2, numba.float32)  # ... and this lane's share of the running sum
-        key_end = cuda.local.array(2, numba.int64)  # row sees keys [0, key_end)
+        l_i = cuda.local.array(2, numba.float32)  # ... this lane's share of the running sum ...
+        key_end = cuda.local.array(2, numba.int64)  # ... and the row's visible keys [0, key_end)
         for r in range(2):
             m_i[r] = NEG_INF
-            l_i[r] = 0
+            l_i[r] = ZERO
             key_end[r] = d_row_key_end(q_start + 16 * warp + g + 8 * r, seqlen_q, seqlen_k, causal)
-        for j in range(D_TILES):
+        for dt in range(D_TILES):
             for i in range(4):
-                acc[j, i] = 0
+                acc[dt, i] = ZERO
         scale_log2 = numba.float32(qk_scale_log2)
 
         # Step 1: Q_i and the first K/V tile, one cp.async group.
@@ -207,9 +225,12 @@ def forward_tc_kernel(cfg: TCConfig):
             load_kv(smem, V_OFF, v, b, h, 0, seqlen_k, tid)
         I.cp_async_commit()
 
-        # ldmatrix addresses of this lane inside a 16×16 tile (see nbflash.intrinsics).
+        # This lane's ldmatrix addresses (see nbflash.intrinsics), as offsets inside a tile.
         a_row, a_col = I.d_ldmatrix_x4_a_address(lane)  # Q rows (A), and V rows (.trans → B)
         bt_row, bt_col = I.d_ldmatrix_x4_bt_address(lane)  # K rows (→ B of S = Q Kᵀ)
+        q_lane = (16 * warp + a_row) * PITCH + a_col
+        k_lane = bt_row * PITCH + bt_col
+        v_lane = a_row * PITCH + a_col
 
         for j in range(n_tiles):
             k_start = j * BLOCK_N
@@ -222,63 +243,56 @@ def forward_tc_kernel(cfg: TCConfig):
             I.cp_async_wait(1)
             cuda.syncthreads()  # every thread's copies of tile j (and Q) are visible
 
-            # Step 2b: the warp's 16 rows of Q into registers, once.
-            if j == 0:
+            # Step 2b: the warp's 16 rows of Q into registers, once (or, for large D, per k-step in 2c).
+            if Q_IN_REGS and j == 0:
                 for kk in range(K_STEPS):
-                    f = I.ldmatrix_x4(smem, (16 * warp + a_row) * PITCH + 16 * kk + a_col)
+                    f = I.ldmatrix_x4(smem, q_lane + 16 * kk)
                     for i in range(4):
                         qf[kk, i] = f[i]
 
             # Step 2c: S = Q_i K_jᵀ (16 × BLOCK_N per warp), 16 keys per ldmatrix.
-            k_base = K_OFF + buf * KV_STRIDE
+            k_base = K_OFF + buf * KV_STRIDE + k_lane
             for n in range(N_TILES):
                 for i in range(4):
-                    S[n, i] = 0
-            for n2 in range(N_TILES // 2):
-                for kk in range(K_STEPS):
-                    kb = I.ldmatrix_x4(smem, k_base + (16 * n2 + bt_row) * PITCH + 16 * kk + bt_col)
+                    S[n, i] = ZERO
+            for kk in range(K_STEPS):
+                kq = kk if Q_IN_REGS else 0
+                if not Q_IN_REGS:
+                    f = I.ldmatrix_x4(smem, q_lane + 16 * kk)
+                    for i in range(4):
+                        qf[0, i] = f[i]
+                for n2 in range(N_TILES // 2):
+                    kb = I.ldmatrix_x4(smem, k_base + 16 * n2 * PITCH + 16 * kk)
                     for half in range(2):
                         n = 2 * n2 + half
-                        d = mma(
-                            qf[kk, 0],
-                            qf[kk, 1],
-                            qf[kk, 2],
-                            qf[kk, 3],
-                            kb[2 * half],
-                            kb[2 * half + 1],
-                            S[n, 0],
-                            S[n, 1],
-                            S[n, 2],
-                            S[n, 3],
-                        )
+                        d = mma(qf[kq, 0], qf[kq, 1], qf[kq, 2], qf[kq, 3], kb[2 * half], kb[2 * half + 1],
+                                S[n, 0], S[n, 1], S[n, 2], S[n, 3])  # fmt: skip
                         for i in range(4):
                             S[n, i] = d[i]
 
             # Step 2d: online softmax, base 2.  Value i of tile n is row g + 8(i >> 1), key 8n + 2t + (i & 1).
             if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
                 for r in range(2):
-                    first_hidden = key_end[r] - k_start - 2 * t  # tile-local: key 8n + c hidden iff ≥ this
+                    first_hidden = key_end[r] - k_start - 2 * t  # key 8n + c is hidden iff 8n + c ≥ this
                     for n in range(N_TILES):
                         for c in range(2):
                             if 8 * n + c >= first_hidden:  # past the ragged end, or above the diagonal
                                 S[n, 2 * r + c] = NEG_INF
             for r in range(2):
-                m_tile = NEG_INF
+                m_tile = NEG_INF  # the max of the raw scores: scale > 0 keeps their order
                 for n in range(N_TILES):
                     for c in range(2):
-                        s = S[n, 2 * r + c] * scale_log2
-                        S[n, 2 * r + c] = s
-                        m_tile = max(m_tile, s)
+                        m_tile = max(m_tile, S[n, 2 * r + c])
                 m_tile = max(m_tile, shfl_xor(FULL, m_tile, 1))  # the row's quad: lanes 4g .. 4g + 3
                 m_tile = max(m_tile, shfl_xor(FULL, m_tile, 2))
-                m_new = max(m_i[r], m_tile)
+                m_new = max(m_i[r], m_tile * scale_log2)
                 m_ref = m_new if m_new != NEG_INF else ZERO  # a row with no key yet keeps P = 0
                 alpha = I.ex2_approx(m_i[r] - m_ref)
                 m_i[r] = m_new
                 p_sum = ZERO
                 for n in range(N_TILES):
                     for c in range(2):
-                        p = I.ex2_approx(S[n, 2 * r + c] - m_ref)
+                        p = I.ex2_approx(S[n, 2 * r + c] * scale_log2 - m_ref)  # one FFMA and one MUFU.EX2
                         S[n, 2 * r + c] = p
                         p_sum += p
                 l_i[r] = alpha * l_i[r] + p_sum  # reduced over the quad only at the end
@@ -287,45 +301,36 @@ def forward_tc_kernel(cfg: TCConfig):
                     acc[dt, 2 * r + 1] *= alpha
 
             # Step 2e: O += P V_j.  P's A-fragment for keys 16kk..16kk+15 is S tiles 2kk, 2kk+1 packed.
-            v_base = V_OFF + buf * KV_STRIDE
+            v_base = V_OFF + buf * KV_STRIDE + v_lane
             for kk in range(PV_STEPS):
                 pa0 = pack(S[2 * kk, 0], S[2 * kk, 1])  # row g,     keys 2t, 2t+1
                 pa1 = pack(S[2 * kk, 2], S[2 * kk, 3])  # row g + 8, keys 2t, 2t+1
                 pa2 = pack(S[2 * kk + 1, 0], S[2 * kk + 1, 1])  # row g,     keys 8 + 2t, 8 + 2t + 1
                 pa3 = pack(S[2 * kk + 1, 2], S[2 * kk + 1, 3])  # row g + 8, keys 8 + 2t, 8 + 2t + 1
                 for d2 in range(D_TILES // 2):
-                    vb = I.ldmatrix_x4_trans(smem, v_base + (16 * kk + a_row) * PITCH + 16 * d2 + a_col)
+                    vb = I.ldmatrix_x4_trans(smem, v_base + 16 * kk * PITCH + 16 * d2)
                     for half in range(2):
                         dt = 2 * d2 + half
-                        d = mma(
-                            pa0,
-                            pa1,
-                            pa2,
-                            pa3,
-                            vb[2 * half],
-                            vb[2 * half + 1],
-                            acc[dt, 0],
-                            acc[dt, 1],
-                            acc[dt, 2],
-                            acc[dt, 3],
-                        )
+                        d = mma(pa0, pa1, pa2, pa3, vb[2 * half], vb[2 * half + 1],
+                                acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3])  # fmt: skip
                         for i in range(4):
                             acc[dt, i] = d[i]
             cuda.syncthreads()  # everyone is done with buffer `buf` before iteration j + 1 refills it
 
         I.cp_async_wait_all()  # nothing left in flight (only Q's group when no key tile was visible)
 
-        # Step 3: O_i = acc / l_i, lse_i = m_i + log l_i.
+        # Step 3: O_i = acc / l_i, lse_i = m_i + log l_i (the head-dim padding columns are not written).
         for r in range(2):
             row = q_start + 16 * warp + g + 8 * r
             l_row = l_i[r]
             l_row += shfl_xor(FULL, l_row, 1)
             l_row += shfl_xor(FULL, l_row, 2)
             if row < seqlen_q:
-                inv_l = numba.float32(1) / l_row if l_row > 0 else numba.float32(0)
+                inv_l = numba.float32(1) / l_row if l_row > 0 else ZERO
                 for dt in range(D_TILES):
-                    for c in range(2):
-                        o[b, h, row, 8 * dt + 2 * t + c] = to_out(acc[dt, 2 * r + c] * inv_l)
+                    if 8 * dt < D:
+                        for c in range(2):
+                            o[b, h, row, 8 * dt + 2 * t + c] = to_out(acc[dt, 2 * r + c] * inv_l)
                 if t == 0:
                     lse[b, h, row] = m_i[r] * LN2 + math.log(l_row) if l_row > 0 else NEG_INF
 
@@ -338,19 +343,22 @@ def forward_tc_kernel(cfg: TCConfig):
 
 
 def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR) -> TCConfig:
-    """A starting configuration (not yet tuned on a GPU): 4 warps × 16 query rows.
+    """The configuration for a head dim (any multiple of 8 up to 256): 4 warps × 16 query rows.
 
-    Key tiles are 64 wide for D = 64 and 32 wide for D = 128: the largest for
-    which NVVM unrolls every fragment loop, so S, P, O and the Q fragments stay
-    in registers (64 × 64 at D = 128 leaves them in local memory).  In the
-    simulator, 2 warps and 16-key tiles keep the Python threads few while small
-    sequences still cross tile edges.
+    Up to D = 128 the Q fragments stay in registers; beyond, they are re-read
+    from shared memory each key tile so that S, P and O still fit in 255
+    registers.  (Provisional: to be replaced by the H200 sweep.)  In the
+    simulator, 2 warps and 16-key tiles keep the Python threads few while
+    small sequences still cross tile edges.
     """
     if simulator:
-        return TCConfig(32, 16, head_dim, input_kind)
-    if head_dim not in (64, 128):
-        raise ValueError(f"the tensor-core forward supports head_dim 64 or 128, got {head_dim}")
-    return TCConfig(64, 64 if head_dim == 64 else 32, head_dim, input_kind)
+        return TCConfig(32, 16, head_dim, input_kind, q_in_regs=head_dim <= 128)
+    d_pad = -(-head_dim // 16) * 16
+    if d_pad <= 64:
+        return TCConfig(64, 64, head_dim, input_kind)
+    if d_pad <= 128:
+        return TCConfig(64, 32, head_dim, input_kind)
+    return TCConfig(64, 32, head_dim, input_kind, q_in_regs=False)
 
 
 def can_implement(cfg: TCConfig, *arrays) -> tuple[bool, str]:
@@ -366,12 +374,25 @@ def can_implement(cfg: TCConfig, *arrays) -> tuple[bool, str]:
             return False, f"{name} must be contiguous along the head dim (cp.async copies 16-byte rows)"
         if any(s % 16 for s in a.strides[:-1]):
             return False, f"{name}'s strides {a.strides} are not multiples of 16 bytes"
+        if _address(a) % 16:
+            return False, f"{name}'s data pointer is not 16-byte aligned"
     return True, ""
+
+
+def _address(a) -> int:
+    """The address of ``a``'s first element (CuPy, NumPy, or any CUDA array interface)."""
+    if hasattr(a, "data") and hasattr(a.data, "ptr"):  # CuPy
+        return a.data.ptr
+    if hasattr(a, "__cuda_array_interface__"):
+        return a.__cuda_array_interface__["data"][0]
+    return a.__array_interface__["data"][0]
 
 
 def launch_forward_tc(cfg: TCConfig, q, k, v, o, lse, scale: float, causal: bool, stream=0):
     """Launch the tensor-core forward on canonical ``(B, H, N, D)`` views (float16, or bfloat16 as uint16)."""
     ok, why = can_implement(cfg, q, k, v, o)
+    if ok and not scale > 0:
+        ok, why = False, f"scale must be positive (the row max is taken before scaling), got {scale}"
     if not ok:
         raise ValueError(f"tensor-core forward configuration {cfg} cannot run: {why}")
     batch, heads, seqlen_q, _ = q.shape
