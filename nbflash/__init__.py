@@ -12,8 +12,9 @@ kernel source runs on an NVIDIA GPU (CuPy arrays) and, with
 """
 
 from ._device import SIMULATOR, is_available
-from .api import attention, attention_backward
+from .api import BACKENDS, Plan, attention, attention_backward, which_backend
 
 __version__ = "0.1.0"
 
-__all__ = ["SIMULATOR", "attention", "attention_backward", "is_available", "__version__"]
+__all__ = ["BACKENDS", "SIMULATOR", "Plan", "attention", "attention_backward", "is_available", "which_backend",
+           "__version__"]

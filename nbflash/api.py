@@ -2,42 +2,95 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
 from . import backward as _bwd
+from . import forward as _simt
+from . import forward_tc as _tc
+from ._device import compute_capability
 from ._streams import array_device, current_stream
 from ._validate import Problem, canonical, check_attention, check_device, check_like
-from .forward import choose_config, launch_forward
+
+#: Values of the ``backend=`` argument.
+BACKENDS = ("auto", "simt", "tensor_core")
 
 
-def _forward(p: Problem, q, k, v, *, stream=None):
+@dataclass(frozen=True)
+class Plan:
+    """Which forward kernel a call runs, with its configuration and the reason (see :func:`which_backend`)."""
+
+    backend: str  # "simt" or "tensor_core"
+    config: Any  # nbflash.forward.TileConfig or nbflash.forward_tc.TCConfig
+    reason: str
+
+
+def _plan_forward(p: Problem, q, k, v, backend: str) -> Plan:
+    """Choose the forward kernel for a validated call (``q, k, v`` canonical views)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    simt = _simt.choose_config(p.head_dim, p.input_kind)
+    if backend == "simt":
+        return Plan("simt", simt, "requested")
+    why = ""
+    if p.input_kind not in ("float16", "bfloat16"):
+        why = f"the tensor cores take float16 and bfloat16, not {p.input_kind}"
+    elif p.head_dim % 8:
+        why = f"head dim {p.head_dim} is not a multiple of 8 (rows must be whole 16-byte chunks)"
+    elif not p.scale > 0:
+        why = f"scale {p.scale} is not positive"
+    if not why:
+        cfg = _tc.choose_config(p.head_dim, p.input_kind)
+        ok, why = _tc.can_implement(cfg, q, k, v)
+    cc = compute_capability()
+    if not why and backend == "auto" and (cc is None or cc < (8, 0)):
+        why = "the simulator has no tensor cores" if cc is None else f"compute capability {cc} < 8.0"
+    if why:
+        if backend == "tensor_core":
+            raise ValueError(f"backend='tensor_core' cannot run this call: {why}")
+        return Plan("simt", simt, why)
+    return Plan("tensor_core", cfg, "requested" if backend == "tensor_core" else "float16/bfloat16 on sm_80+")
+
+
+def which_backend(q, k, v, *, causal: bool = False, scale: float | None = None, layout: str = "bhsd",
+                  backend: str = "auto", bf16_bits: bool = False) -> Plan:
+    """The forward kernel that :func:`attention` would run on these inputs, and why.
+
+    ``backend="auto"`` picks the tensor-core kernel (:mod:`nbflash.forward_tc`)
+    for float16 and bfloat16 on a GPU of compute capability 8.0 or newer when
+    its constraints hold (head dim a multiple of 8, rows 16-byte aligned,
+    scale > 0), and the SIMT kernel (:mod:`nbflash.forward`) otherwise;
+    ``"simt"`` and ``"tensor_core"`` force one (the latter raises ValueError,
+    with the reason, when it cannot run the call).  In the simulator ``auto``
+    picks SIMT, and ``"tensor_core"`` runs the emulated instructions.
+    """
+    p = check_attention(q, k, v, causal=causal, scale=scale, layout=layout, bf16_bits=bf16_bits)
+    return _plan_forward(p, *(canonical(a, layout) for a in (q, k, v)), backend)
+
+
+def _forward(p: Problem, q, k, v, *, stream=None, backend: str = "auto"):
     """Allocate ``o`` (in the caller's layout) and ``lse``, and run the forward kernel.
 
     ``stream``: a Numba stream to launch on (default: CuPy's current stream).
     """
     xp = p.xp
+    cq, ck, cv = (canonical(a, p.layout) for a in (q, k, v))
+    plan = _plan_forward(p, cq, ck, cv, backend)
     if p.layout == "bhsd":
         o = xp.empty((p.batch, p.heads, p.seqlen_q, p.head_dim), dtype=q.dtype)
     else:
         o = xp.empty((p.batch, p.seqlen_q, p.heads, p.head_dim), dtype=q.dtype)
     lse = xp.empty((p.batch, p.heads, p.seqlen_q), dtype=p.lse_dtype)
-    cfg = choose_config(p.head_dim, p.input_kind)
-    launch_forward(
-        cfg,
-        canonical(q, p.layout),
-        canonical(k, p.layout),
-        canonical(v, p.layout),
-        canonical(o, p.layout),
-        lse,
-        p.scale,
-        p.causal,
-        stream=current_stream(xp) if stream is None else stream,
-    )
+    launch = _tc.launch_forward_tc if plan.backend == "tensor_core" else _simt.launch_forward
+    stream = current_stream(xp) if stream is None else stream
+    launch(plan.config, cq, ck, cv, canonical(o, p.layout), lse, p.scale, p.causal, stream=stream)
     return o, lse
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layout: str = "bhsd",
-              return_lse: bool = False):
+              return_lse: bool = False, backend: str = "auto"):
     """Exact scaled-dot-product attention, ``softmax(Q Kᵀ · scale) V``, by one fused kernel.
 
     Args:
@@ -65,6 +118,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layo
         return_lse: also return ``lse = log sum_j exp(scale · q_i·k_j)``, shape
             ``(batch, heads, seqlen_q)``, float32 (float64 for float64 inputs).
             It is all the backward pass needs besides ``o``.
+        backend: ``"auto"`` (tensor cores for float16 on an sm_80+ GPU, SIMT
+            otherwise), ``"simt"`` or ``"tensor_core"``;
+            :func:`which_backend` says which one a call runs and why.
 
     Returns:
         ``o`` with the dtype, layout and array type of ``q``, or ``(o, lse)``.
@@ -77,11 +133,12 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layo
     Head dims 1..256 and any sequence lengths ≥ 1 are supported; the inputs are
     never modified.
     """
-    o, lse = forward_arrays(q, k, v, causal=causal, scale=scale, layout=layout)
+    o, lse = forward_arrays(q, k, v, causal=causal, scale=scale, layout=layout, backend=backend)
     return (o, lse) if return_lse else o
 
 
-def forward_arrays(q, k, v, *, causal=False, scale=None, layout="bhsd", bf16_bits=False, stream=None):
+def forward_arrays(q, k, v, *, causal=False, scale=None, layout="bhsd", bf16_bits=False, stream=None,
+                   backend="auto"):
     """``(o, lse)`` — :func:`attention` for bridges, with two more options.
 
     ``bf16_bits``: q, k, v (and then o) are uint16 arrays holding bfloat16
@@ -90,7 +147,7 @@ def forward_arrays(q, k, v, *, causal=False, scale=None, layout="bhsd", bf16_bit
     """
     p = check_attention(q, k, v, causal=causal, scale=scale, layout=layout, bf16_bits=bf16_bits)
     with array_device(p.xp, q):
-        return _forward(p, q, k, v, stream=stream)
+        return _forward(p, q, k, v, stream=stream, backend=backend)
 
 
 def attention_backward(do, q, k, v, o, lse, *, causal: bool = False, scale: float | None = None,

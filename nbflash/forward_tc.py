@@ -182,6 +182,23 @@ def forward_tc_kernel(cfg: TCConfig):
 
         return device_function(load_tile)
 
+    if cfg.input_kind == "float16":
+
+        def store_pair(o, b, h, row, col, x, y):
+            """o[b, h, row, col : col + 2] = x, y rounded to float16."""
+            o[b, h, row, col] = to_out(x)
+            o[b, h, row, col + 1] = to_out(y)
+
+    else:
+
+        def store_pair(o, b, h, row, col, x, y):
+            """o[b, h, row, col : col + 2] = x, y rounded to bfloat16 bits by one cvt.rn.bf16x2.f32."""
+            w = pack(x, y)  # x in the low half
+            o[b, h, row, col] = numba.uint16(w & 0xFFFF)
+            o[b, h, row, col + 1] = numba.uint16(w >> 16)
+
+    store_pair = device_function(store_pair)
+
     load_q = make_load_tile(BLOCK_M)
     load_kv = make_load_tile(BLOCK_N)
 
@@ -329,8 +346,7 @@ def forward_tc_kernel(cfg: TCConfig):
                 inv_l = numba.float32(1) / l_row if l_row > 0 else ZERO
                 for dt in range(D_TILES):
                     if 8 * dt < D:
-                        for c in range(2):
-                            o[b, h, row, 8 * dt + 2 * t + c] = to_out(acc[dt, 2 * r + c] * inv_l)
+                        store_pair(o, b, h, row, 8 * dt + 2 * t, acc[dt, 2 * r] * inv_l, acc[dt, 2 * r + 1] * inv_l)
                 if t == 0:
                     lse[b, h, row] = m_i[r] * LN2 + math.log(l_row) if l_row > 0 else NEG_INF
 
@@ -412,5 +428,5 @@ def kernel_signature(cfg: TCConfig):
 
 def compile_targets():
     """``(name, cfg, kernel, signature, fastmath)`` for the GPU configurations (the PTX check)."""
-    cfgs = [choose_config(d, kind, simulator=False) for d in (64, 128) for kind in ("float16", "bfloat16")]
+    cfgs = [choose_config(d, kind, simulator=False) for d in (40, 64, 96, 128, 256) for kind in ("float16", "bfloat16")]
     return [("flash_forward_tc", cfg, forward_tc_kernel(cfg), kernel_signature(cfg), True) for cfg in cfgs]

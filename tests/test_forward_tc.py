@@ -62,8 +62,9 @@ def run_and_check(xp, rng, n_q, n_k, d, kind, causal, cfg=None, layout="bhsd", b
     """Run the kernel on ``xp`` arrays (NumPy in the simulator, CuPy on a GPU) and check o and lse."""
     cfg = cfg or F.choose_config(d, kind)
     shape = (lambda n: (batch, heads, n, d)) if layout == "bhsd" else (lambda n: (batch, n, heads, d))
-    (q, qv), (k, kv), (v, vv) = (to_kind(rng.standard_normal(shape(n)).astype(np.float32), kind)
-                                 for n in (n_q, n_k, n_k))
+    (q, qv), (k, kv), (v, vv) = (
+        to_kind(rng.standard_normal(shape(n)).astype(np.float32), kind) for n in (n_q, n_k, n_k)
+    )
     q, k, v = (xp.asarray(x) for x in (q, k, v))
     o = xp.zeros_like(q)
     canon = (lambda x: x) if layout == "bhsd" else (lambda x: x.transpose(0, 2, 1, 3))
@@ -101,6 +102,14 @@ def test_forward_tc_bshd_strided_views(xp, rng):
     run_and_check(xp, rng, 19, 23, 64, "float16", True, layout="bshd", batch=2, heads=1)
 
 
+@pytest.mark.parametrize("d,q_in_regs", [(24, True), (40, False)])
+def test_forward_tc_padded_head_dims(xp, rng, d, q_in_regs):
+    """D not a multiple of 16: zero padding columns in shared memory, never written back; Q from registers or
+    re-read from shared memory."""
+    cfg = F.TCConfig(32, 16, d, "bfloat16", q_in_regs=q_in_regs)
+    run_and_check(xp, rng, 21, 35, d, "bfloat16", True, cfg=cfg, heads=1)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("d", [64, 128])
 def test_forward_tc_gpu_configuration(xp, rng, d):
@@ -116,8 +125,15 @@ def test_can_implement_rejects_misaligned_rows():
     assert not ok and "multiples of 16" in why
     ok, why = F.can_implement(cfg, np.zeros((1, 1, 8, 128), dtype=np.float16)[..., ::2])
     assert not ok and "contiguous" in why
-    with pytest.raises(ValueError, match="head_dim"):
-        F.TCConfig(32, 16, 72, "float16")
+    base = np.zeros((1, 1, 8, 72), dtype=np.float16)
+    ok, why = F.can_implement(cfg, base[..., 1:65])  # 144-byte rows, but the first element 2 bytes off
+    assert not ok and "aligned" in why
+    for d in (36, 264):
+        with pytest.raises(ValueError, match="head_dim"):
+            F.TCConfig(32, 16, d, "float16")
+    with pytest.raises(ValueError, match="scale must be positive"):
+        q = np.zeros((1, 1, 8, 64), dtype=np.float16)
+        F.launch_forward_tc(cfg, q, q, q, q.copy(), np.zeros((1, 1, 8), np.float32), -0.5, False)
 
 
 _PTX_SCRIPT = r"""
@@ -143,6 +159,7 @@ for i, (name, cfg, kern, sig, fastmath) in enumerate(F.compile_targets()):
                           local=len(re.findall(r"\b(?:ld|st)\.local\b", ptx)),
                           regs=int(re.search(r"[Uu]sed (\d+) registers", log).group(1)),
                           spill_bytes=int(spills.group(1)) + int(spills.group(2)),
+                          stack=int(re.search(r"(\d+) bytes stack frame", log).group(1)),
                           mma=ptx.count("mma.sync.aligned.m16n8k16"), ldmatrix=ptx.count("ldmatrix.sync"),
                           cp_async=ptx.count("cp.async.cg.shared.global"))), flush=True)
 """
@@ -154,18 +171,78 @@ def test_forward_tc_compiles_for_sm90_in_registers():
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    procs = [subprocess.Popen([sys.executable, "-c", _PTX_SCRIPT, str(i), "2"], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _PTX_SCRIPT, str(i), "2"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     rows = []
     for p in procs:
         out, err = p.communicate(timeout=900)
         assert p.returncode == 0, err[-4000:]
         rows += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    assert len(rows) == 4
+    assert len(rows) == len(F.compile_targets())
     for row in rows:
-        assert row["local"] == 0 and row["spill_bytes"] == 0, row
-        d, bn = row["head_dim"], row["block_n"]
+        assert row["local"] == 0 and row["spill_bytes"] == 0 and row["stack"] == 0, row
+        d, bn = -(-row["head_dim"] // 16) * 16, row["block_n"]
         # Fully unrolled: every 16×8×16 product of S = Q Kᵀ and of O += P V is its own instruction.
-        assert row["mma"] == (bn // 8) * (d // 16) + (d // 8) * (bn // 16), row
+        # (O's columns past the head dim are never stored: NVVM drops their products.)
+        assert row["mma"] == (bn // 8) * (d // 16) + -(-row["head_dim"] // 8) * (bn // 16), row
         assert row["ldmatrix"] == d // 16 + (bn // 16) * (d // 16) + (bn // 16) * (d // 16), row
 
+
+# ----------------------------------------------------------------------------
+# Through the public API: backend selection
+# ----------------------------------------------------------------------------
+
+
+def test_attention_backend_tensor_core_matches_simt_and_reference(xp, rng):
+    """nbflash.attention(backend="tensor_core") on float16, bshd, causal, seqlen_q ≠ seqlen_k."""
+    import nbflash
+
+    q, k, v = (xp.asarray(rng.standard_normal((1, n, 2, 32)).astype(np.float16)) for n in (19, 37, 37))
+    before = [_host(x).copy() for x in (q, k, v)]
+    assert nbflash.which_backend(q, k, v, layout="bshd", backend="tensor_core").backend == "tensor_core"
+    o, lse = nbflash.attention(q, k, v, causal=True, layout="bshd", return_lse=True, backend="tensor_core")
+    o_simt, lse_simt = nbflash.attention(q, k, v, causal=True, layout="bshd", return_lse=True, backend="simt")
+    for x, b in zip((q, k, v), before, strict=True):
+        np.testing.assert_array_equal(_host(x), b)  # inputs untouched
+    tr = lambda x: _host(x).astype(np.float64).transpose(0, 2, 1, 3)  # noqa: E731
+    ref_o, ref_lse = attention_ref(tr(q), tr(k), tr(v), causal=True, scale=1 / math.sqrt(32))
+    naive = naive_attention(tr(q), tr(k), tr(v), True, 1 / math.sqrt(32), "float16")
+    assert np.abs(tr(o) - ref_o).max() <= 2 * np.abs(naive - ref_o).max() + 1e-6
+    assert np.abs(tr(o) - tr(o_simt)).max() < 2e-3
+    np.testing.assert_allclose(_host(lse), ref_lse, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(_host(lse), _host(lse_simt), rtol=1e-5, atol=1e-5)
+
+
+def test_which_backend_reasons(xp, rng):
+    import nbflash
+
+    def arr(d, dtype=np.float16, n=8):
+        return xp.asarray(rng.standard_normal((1, 1, n, d)).astype(dtype))
+
+    q = arr(64)
+    plan = nbflash.which_backend(q, q, q)
+    # auto: tensor cores only on a real sm_80+ GPU, never in the simulator
+    assert plan.backend == ("simt" if nbflash.SIMULATOR else "tensor_core"), plan
+    forced = nbflash.which_backend(q, q, q, backend="simt")
+    assert (forced.backend, forced.reason) == ("simt", "requested")
+    assert nbflash.which_backend(q, q, q, backend="tensor_core").backend == "tensor_core"
+    f32 = arr(64, np.float32)
+    assert "float16 and bfloat16" in nbflash.which_backend(f32, f32, f32).reason
+    with pytest.raises(ValueError, match="tensor_core.*float16 and bfloat16"):
+        nbflash.attention(f32, f32, f32, backend="tensor_core")
+    odd = arr(36)
+    assert nbflash.which_backend(odd, odd, odd).backend == "simt"
+    with pytest.raises(ValueError, match="multiple of 8"):
+        nbflash.attention(odd, odd, odd, backend="tensor_core")
+    with pytest.raises(ValueError, match="scale"):
+        nbflash.attention(q, q, q, scale=-1.0, backend="tensor_core")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        nbflash.attention(q, q, q, backend="cuda")
