@@ -179,6 +179,13 @@ else:
 DEFAULT_SHARED_LIMIT = 48 * 1024
 
 
+def compute_capability() -> tuple[int, int] | None:
+    """The current device's compute capability, or None in the simulator (which has no tensor cores)."""
+    if SIMULATOR:
+        return None
+    return tuple(cuda.get_current_device().compute_capability)
+
+
 def max_shared_per_block() -> int:
     """The device's opt-in shared-memory limit per block (bytes)."""
     if SIMULATOR:
