@@ -38,19 +38,20 @@ from benchmarks.forward_sweep import environment  # noqa: E402
 from nbflash import forward_tc as T  # noqa: E402
 
 KIND = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
-# (block_m, block_n, q_in_regs) per head dim.
+# (block_m, block_n, q_in_regs, m_tiles) per head dim.
 CANDIDATES = {
-    64: [(64, 64, True), (128, 64, True), (64, 128, False)],
-    128: [(64, 32, True), (64, 64, True), (64, 64, False), (128, 64, False), (128, 32, True)],
-    256: [(64, 32, False)],
+    64: [(64, 64, True, 1), (128, 64, True, 2), (128, 32, True, 2), (64, 64, True, 2)],
+    128: [(64, 32, True, 1), (64, 64, True, 1), (128, 32, False, 2), (64, 32, False, 2), (128, 64, False, 1)],
+    256: [(64, 32, False, 1)],
 }
 #: Head dims checked for correctness only (the default configuration).
 CHECK_ONLY = (40, 96, 256)
 
 
 def tag(cfg) -> str:
-    """``64x32`` (Q fragments in registers) or ``64x32s`` (Q re-read from shared memory)."""
-    return f"{cfg.block_m}x{cfg.block_n}{'' if cfg.q_in_regs else 's'}"
+    """``64x32`` (Q fragments in registers) or ``64x32s`` (Q re-read from shared memory); ``/2``: two m-tiles
+    per warp."""
+    return f"{cfg.block_m}x{cfg.block_n}{'' if cfg.q_in_regs else 's'}{'/2' if cfg.m_tiles == 2 else ''}"
 
 
 def as_cupy(t: torch.Tensor):
@@ -177,7 +178,7 @@ def main():
 
     env = environment()
     log(json.dumps(env))
-    cfgs = [T.TCConfig(bm, bn, d, KIND[dt], qr) for d in dims for dt in dtypes for bm, bn, qr in CANDIDATES[d]]
+    cfgs = [T.TCConfig(bm, bn, d, KIND[dt], qr, mt) for d in dims for dt in dtypes for bm, bn, qr, mt in CANDIDATES[d]]
     cfgs += [T.choose_config(d, KIND[dt]) for d in CHECK_ONLY if d not in dims for dt in dtypes]
     compiled = []
     for cfg in cfgs:

@@ -75,10 +75,12 @@ __all__ = [
 class TCConfig:
     """Compile-time constants of the tensor-core forward kernel.
 
-    ``block_m`` query rows per block, 16 per warp.  ``q_in_regs`` keeps the
-    warp's Q fragments in registers for the whole kernel; otherwise they are
-    re-read from shared memory for every key tile (fewer registers: needed for
-    large head dims).
+    ``block_m`` query rows per block; each warp owns ``16 · m_tiles`` of them.
+    With two 16-row m-tiles per warp (FlashAttention-2's layout) every K and V
+    fragment read from shared memory feeds two ``mma`` instead of one, halving
+    the shared-memory traffic per product.  ``q_in_regs`` keeps the warp's Q
+    fragments in registers for the whole kernel; otherwise they are re-read
+    from shared memory for every key tile (fewer registers: large head dims).
     """
 
     block_m: int  # query rows per block: 16 per warp
@@ -86,10 +88,16 @@ class TCConfig:
     head_dim: int  # D, a multiple of 8 up to 256 (padded to 16 inside)
     input_kind: str  # "float16" or "bfloat16"
     q_in_regs: bool = True
+    m_tiles: int = 1  # 16-row m-tiles per warp: 1 or 2
 
     def __post_init__(self):
-        if self.block_m not in (16, 32, 64, 128):
-            raise ValueError(f"block_m must be 16, 32, 64 or 128 (16 rows per warp), got {self.block_m}")
+        if self.m_tiles not in (1, 2):
+            raise ValueError(f"m_tiles must be 1 or 2, got {self.m_tiles}")
+        if self.block_m <= 0 or self.block_m % (16 * self.m_tiles) or self.block_m // (16 * self.m_tiles) > 8:
+            raise ValueError(
+                f"block_m must be a multiple of {16 * self.m_tiles} rows (16 per m-tile) for at most "
+                f"8 warps, got {self.block_m}"
+            )
         if self.block_n <= 0 or self.block_n % 16:
             raise ValueError(f"block_n must be a positive multiple of 16, got {self.block_n}")
         if self.head_dim <= 0 or self.head_dim % 8 or self.head_dim > 256:
@@ -99,7 +107,7 @@ class TCConfig:
 
     @property
     def warps(self) -> int:
-        return self.block_m // 16
+        return self.block_m // (16 * self.m_tiles)
 
     @property
     def threads(self) -> int:
@@ -135,7 +143,8 @@ def forward_tc_kernel(cfg: TCConfig):
     """The compiled tensor-core forward kernel for one configuration (cached)."""
     BLOCK_M, BLOCK_N, D, D_PAD = cfg.block_m, cfg.block_n, cfg.head_dim, cfg.d_pad
     THREADS, PITCH = cfg.threads, cfg.pitch
-    Q_IN_REGS = cfg.q_in_regs
+    Q_IN_REGS, TWO = cfg.q_in_regs, cfg.m_tiles == 2  # TWO: each warp owns a second m-tile, 16 rows below
+    WARP_ROWS = 16 * cfg.m_tiles
     K_OFF, V_OFF, _ = shared_offsets(cfg)
     KV_STRIDE = BLOCK_N * PITCH  # elements from one K (or V) buffer to the other
     CHUNKS = D_PAD // 8  # 16-byte chunks per shared row ...
@@ -202,9 +211,99 @@ def forward_tc_kernel(cfg: TCConfig):
     load_q = make_load_tile(BLOCK_M)
     load_kv = make_load_tile(BLOCK_N)
 
+    # -- the steps of one m-tile (16 query rows of a warp), as inline device functions ------------------
+
+    def init_rows(m_i, l_i, key_end, acc, first_row, seqlen_q, seqlen_k, causal, g):
+        """m_i = -inf, l_i = 0, acc = 0, and the visible keys of rows first_row + g and + g + 8."""
+        for r in range(2):
+            m_i[r] = NEG_INF
+            l_i[r] = ZERO
+            key_end[r] = d_row_key_end(first_row + g + 8 * r, seqlen_q, seqlen_k, causal)
+        for dt in range(D_TILES):
+            for i in range(4):
+                acc[dt, i] = ZERO
+
+    def load_q_frags(qf, smem, q_lane, kk):
+        """The A fragments of Q for k-step kk (all of them when Q stays in registers)."""
+        for k2 in range(K_STEPS if Q_IN_REGS else 1):
+            f = I.ldmatrix_x4(smem, q_lane + 16 * (k2 if Q_IN_REGS else kk))
+            for i in range(4):
+                qf[k2, i] = f[i]
+
+    def mma_into(C, n, A, ka, b0, b1):
+        """C[n] += A[ka] · (b0, b1): one m16n8k16 product into accumulator tile n."""
+        d = mma(A[ka, 0], A[ka, 1], A[ka, 2], A[ka, 3], b0, b1, C[n, 0], C[n, 1], C[n, 2], C[n, 3])
+        for i in range(4):
+            C[n, i] = d[i]
+
+    def mask_scores(S, key_end, k_start, t):
+        """S = -inf where a key is past the row's visible end (ragged tail or above the causal diagonal)."""
+        for r in range(2):
+            first_hidden = key_end[r] - k_start - 2 * t  # key 8n + c is hidden iff 8n + c ≥ this
+            for n in range(N_TILES):
+                for c in range(2):
+                    if 8 * n + c >= first_hidden:
+                        S[n, 2 * r + c] = NEG_INF
+
+    def online_softmax(S, acc, m_i, l_i, scale_log2):
+        """Fold tile S into the running (m_i, l_i) of rows g, g + 8; S becomes P; acc is rescaled."""
+        for r in range(2):
+            m_tile = NEG_INF  # the max of the raw scores: scale > 0 keeps their order
+            for n in range(N_TILES):
+                for c in range(2):
+                    m_tile = max(m_tile, S[n, 2 * r + c])
+            m_tile = max(m_tile, shfl_xor(FULL, m_tile, 1))  # the row's quad: lanes 4g .. 4g + 3
+            m_tile = max(m_tile, shfl_xor(FULL, m_tile, 2))
+            m_new = max(m_i[r], m_tile * scale_log2)
+            m_ref = m_new if m_new != NEG_INF else ZERO  # a row with no key yet keeps P = 0
+            alpha = I.ex2_approx(m_i[r] - m_ref)
+            m_i[r] = m_new
+            p_sum = ZERO
+            for n in range(N_TILES):
+                for c in range(2):
+                    p = I.ex2_approx(S[n, 2 * r + c] * scale_log2 - m_ref)  # one FFMA and one MUFU.EX2
+                    S[n, 2 * r + c] = p
+                    p_sum += p
+            l_i[r] = alpha * l_i[r] + p_sum  # reduced over the quad only at the end
+            for dt in range(D_TILES):
+                acc[dt, 2 * r] *= alpha
+                acc[dt, 2 * r + 1] *= alpha
+
+    def p_frags(P, S, kk):
+        """P's A fragment for keys 16kk .. 16kk + 15: S tiles 2kk, 2kk + 1 packed to 16 bits (no shuffle)."""
+        P[0, 0] = pack(S[2 * kk, 0], S[2 * kk, 1])  # row g,     keys 2t, 2t + 1
+        P[0, 1] = pack(S[2 * kk, 2], S[2 * kk, 3])  # row g + 8, keys 2t, 2t + 1
+        P[0, 2] = pack(S[2 * kk + 1, 0], S[2 * kk + 1, 1])  # row g,     keys 8 + 2t, 8 + 2t + 1
+        P[0, 3] = pack(S[2 * kk + 1, 2], S[2 * kk + 1, 3])  # row g + 8, keys 8 + 2t, 8 + 2t + 1
+
+    def write_rows(o, lse, acc, m_i, l_i, b, h, first_row, seqlen_q, g, t):
+        """O = acc / l, lse = m + log l for rows first_row + g, + g + 8 (head-dim padding not written)."""
+        for r in range(2):
+            row = first_row + g + 8 * r
+            l_row = l_i[r]
+            l_row += shfl_xor(FULL, l_row, 1)
+            l_row += shfl_xor(FULL, l_row, 2)
+            if row < seqlen_q:
+                inv_l = numba.float32(1) / l_row if l_row > 0 else ZERO
+                for dt in range(D_TILES):
+                    if 8 * dt < D:
+                        store_pair(o, b, h, row, 8 * dt + 2 * t, acc[dt, 2 * r] * inv_l, acc[dt, 2 * r + 1] * inv_l)
+                if t == 0:
+                    lse[b, h, row] = m_i[r] * LN2 + math.log(l_row) if l_row > 0 else NEG_INF
+
+    init_rows, load_q_frags, mma_into, mask_scores, online_softmax, p_frags, write_rows = (
+        device_function(f)
+        for f in (init_rows, load_q_frags, mma_into, mask_scores, online_softmax, p_frags, write_rows)
+    )
+
     @kernel(fastmath=True)
     def flash_forward_tc(q, k, v, o, lse, qk_scale_log2, causal):
-        """One block: O_i and lse_i for BLOCK_M queries of one (batch, head)."""
+        """One block: O_i and lse_i for BLOCK_M queries of one (batch, head).
+
+        Every per-row array below exists once per m-tile (suffix 0, and 1 when
+        TWO): plain 2-D register arrays, so that NVVM unrolls every loop over
+        them and nothing lands in local memory.
+        """
         seqlen_q = q.shape[2]
         seqlen_k = k.shape[2]
         q_start = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BLOCK_M  # longest causal rows first
@@ -216,21 +315,25 @@ def forward_tc_kernel(cfg: TCConfig):
         g = lane // 4  # this thread's rows of every fragment: g and g + 8 ...
         t = lane % 4  # ... and columns 2t, 2t + 1 of every 8-column tile
         smem = cuda.shared.array(0, numba.uint16, alignment=SMEM_ALIGN)
+        row0 = q_start + WARP_ROWS * warp  # the warp's first row; its second m-tile starts 16 below
 
-        # Register arrays: NVVM unrolls every loop over them, so they never touch local memory.
-        qf = cuda.local.array((QF_STEPS, 4), numba.uint32)  # Q A-fragments, one set per k-step
-        S = cuda.local.array((N_TILES, 4), numba.float32)  # S (then P) accumulators
-        acc = cuda.local.array((D_TILES, 4), numba.float32)  # O accumulators
-        m_i = cuda.local.array(2, numba.float32)  # rows g, g + 8: running max (base-2 scaled) ...
-        l_i = cuda.local.array(2, numba.float32)  # ... this lane's share of the running sum ...
-        key_end = cuda.local.array(2, numba.int64)  # ... and the row's visible keys [0, key_end)
-        for r in range(2):
-            m_i[r] = NEG_INF
-            l_i[r] = ZERO
-            key_end[r] = d_row_key_end(q_start + 16 * warp + g + 8 * r, seqlen_q, seqlen_k, causal)
-        for dt in range(D_TILES):
-            for i in range(4):
-                acc[dt, i] = ZERO
+        qf0 = cuda.local.array((QF_STEPS, 4), numba.uint32)  # Q A-fragments
+        S0 = cuda.local.array((N_TILES, 4), numba.float32)  # S (then P) accumulators
+        acc0 = cuda.local.array((D_TILES, 4), numba.float32)  # O accumulators
+        P0 = cuda.local.array((1, 4), numba.uint32)  # P A-fragments of one k-step
+        m0 = cuda.local.array(2, numba.float32)  # rows g, g + 8: running max (base-2 scaled) ...
+        l0 = cuda.local.array(2, numba.float32)  # ... this lane's share of the running sum ...
+        e0 = cuda.local.array(2, numba.int64)  # ... and the row's visible keys [0, e0)
+        qf1 = cuda.local.array((QF_STEPS, 4), numba.uint32)  # the same for the second m-tile
+        S1 = cuda.local.array((N_TILES, 4), numba.float32)
+        acc1 = cuda.local.array((D_TILES, 4), numba.float32)
+        P1 = cuda.local.array((1, 4), numba.uint32)
+        m1 = cuda.local.array(2, numba.float32)
+        l1 = cuda.local.array(2, numba.float32)
+        e1 = cuda.local.array(2, numba.int64)
+        init_rows(m0, l0, e0, acc0, row0, seqlen_q, seqlen_k, causal, g)
+        if TWO:
+            init_rows(m1, l1, e1, acc1, row0 + 16, seqlen_q, seqlen_k, causal, g)
         scale_log2 = numba.float32(qk_scale_log2)
 
         # Step 1: Q_i and the first K/V tile, one cp.async group.
@@ -245,7 +348,7 @@ def forward_tc_kernel(cfg: TCConfig):
         # This lane's ldmatrix addresses (see nbflash.intrinsics), as offsets inside a tile.
         a_row, a_col = I.d_ldmatrix_x4_a_address(lane)  # Q rows (A), and V rows (.trans → B)
         bt_row, bt_col = I.d_ldmatrix_x4_bt_address(lane)  # K rows (→ B of S = Q Kᵀ)
-        q_lane = (16 * warp + a_row) * PITCH + a_col
+        q_lane = (WARP_ROWS * warp + a_row) * PITCH + a_col
         k_lane = bt_row * PITCH + bt_col
         v_lane = a_row * PITCH + a_col
 
@@ -260,95 +363,60 @@ def forward_tc_kernel(cfg: TCConfig):
             I.cp_async_wait(1)
             cuda.syncthreads()  # every thread's copies of tile j (and Q) are visible
 
-            # Step 2b: the warp's 16 rows of Q into registers, once (or, for large D, per k-step in 2c).
+            # Step 2b: the warp's Q rows into registers, once (for large D: per k-step, in 2c).
             if Q_IN_REGS and j == 0:
-                for kk in range(K_STEPS):
-                    f = I.ldmatrix_x4(smem, q_lane + 16 * kk)
-                    for i in range(4):
-                        qf[kk, i] = f[i]
+                load_q_frags(qf0, smem, q_lane, 0)
+                if TWO:
+                    load_q_frags(qf1, smem, q_lane + 16 * PITCH, 0)
 
-            # Step 2c: S = Q_i K_jᵀ (16 × BLOCK_N per warp), 16 keys per ldmatrix.
+            # Step 2c: S = Q_i K_jᵀ; each K fragment (16 keys × 16 of D) feeds every m-tile of the warp.
             k_base = K_OFF + buf * KV_STRIDE + k_lane
             for n in range(N_TILES):
                 for i in range(4):
-                    S[n, i] = ZERO
+                    S0[n, i] = ZERO
+                    S1[n, i] = ZERO
             for kk in range(K_STEPS):
                 kq = kk if Q_IN_REGS else 0
                 if not Q_IN_REGS:
-                    f = I.ldmatrix_x4(smem, q_lane + 16 * kk)
-                    for i in range(4):
-                        qf[0, i] = f[i]
+                    load_q_frags(qf0, smem, q_lane, kk)
+                    if TWO:
+                        load_q_frags(qf1, smem, q_lane + 16 * PITCH, kk)
                 for n2 in range(N_TILES // 2):
                     kb = I.ldmatrix_x4(smem, k_base + 16 * n2 * PITCH + 16 * kk)
                     for half in range(2):
-                        n = 2 * n2 + half
-                        d = mma(qf[kq, 0], qf[kq, 1], qf[kq, 2], qf[kq, 3], kb[2 * half], kb[2 * half + 1],
-                                S[n, 0], S[n, 1], S[n, 2], S[n, 3])  # fmt: skip
-                        for i in range(4):
-                            S[n, i] = d[i]
+                        mma_into(S0, 2 * n2 + half, qf0, kq, kb[2 * half], kb[2 * half + 1])
+                        if TWO:
+                            mma_into(S1, 2 * n2 + half, qf1, kq, kb[2 * half], kb[2 * half + 1])
 
             # Step 2d: online softmax, base 2.  Value i of tile n is row g + 8(i >> 1), key 8n + 2t + (i & 1).
             if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
-                for r in range(2):
-                    first_hidden = key_end[r] - k_start - 2 * t  # key 8n + c is hidden iff 8n + c ≥ this
-                    for n in range(N_TILES):
-                        for c in range(2):
-                            if 8 * n + c >= first_hidden:  # past the ragged end, or above the diagonal
-                                S[n, 2 * r + c] = NEG_INF
-            for r in range(2):
-                m_tile = NEG_INF  # the max of the raw scores: scale > 0 keeps their order
-                for n in range(N_TILES):
-                    for c in range(2):
-                        m_tile = max(m_tile, S[n, 2 * r + c])
-                m_tile = max(m_tile, shfl_xor(FULL, m_tile, 1))  # the row's quad: lanes 4g .. 4g + 3
-                m_tile = max(m_tile, shfl_xor(FULL, m_tile, 2))
-                m_new = max(m_i[r], m_tile * scale_log2)
-                m_ref = m_new if m_new != NEG_INF else ZERO  # a row with no key yet keeps P = 0
-                alpha = I.ex2_approx(m_i[r] - m_ref)
-                m_i[r] = m_new
-                p_sum = ZERO
-                for n in range(N_TILES):
-                    for c in range(2):
-                        p = I.ex2_approx(S[n, 2 * r + c] * scale_log2 - m_ref)  # one FFMA and one MUFU.EX2
-                        S[n, 2 * r + c] = p
-                        p_sum += p
-                l_i[r] = alpha * l_i[r] + p_sum  # reduced over the quad only at the end
-                for dt in range(D_TILES):
-                    acc[dt, 2 * r] *= alpha
-                    acc[dt, 2 * r + 1] *= alpha
+                mask_scores(S0, e0, k_start, t)
+                if TWO:
+                    mask_scores(S1, e1, k_start, t)
+            online_softmax(S0, acc0, m0, l0, scale_log2)
+            if TWO:
+                online_softmax(S1, acc1, m1, l1, scale_log2)
 
-            # Step 2e: O += P V_j.  P's A-fragment for keys 16kk..16kk+15 is S tiles 2kk, 2kk+1 packed.
+            # Step 2e: O += P V_j; the accumulator layout of S *is* P's A-fragment layout (FlashAttention-2).
             v_base = V_OFF + buf * KV_STRIDE + v_lane
             for kk in range(PV_STEPS):
-                pa0 = pack(S[2 * kk, 0], S[2 * kk, 1])  # row g,     keys 2t, 2t+1
-                pa1 = pack(S[2 * kk, 2], S[2 * kk, 3])  # row g + 8, keys 2t, 2t+1
-                pa2 = pack(S[2 * kk + 1, 0], S[2 * kk + 1, 1])  # row g,     keys 8 + 2t, 8 + 2t + 1
-                pa3 = pack(S[2 * kk + 1, 2], S[2 * kk + 1, 3])  # row g + 8, keys 8 + 2t, 8 + 2t + 1
+                p_frags(P0, S0, kk)
+                if TWO:
+                    p_frags(P1, S1, kk)
                 for d2 in range(D_TILES // 2):
                     vb = I.ldmatrix_x4_trans(smem, v_base + 16 * kk * PITCH + 16 * d2)
                     for half in range(2):
-                        dt = 2 * d2 + half
-                        d = mma(pa0, pa1, pa2, pa3, vb[2 * half], vb[2 * half + 1],
-                                acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3])  # fmt: skip
-                        for i in range(4):
-                            acc[dt, i] = d[i]
+                        mma_into(acc0, 2 * d2 + half, P0, 0, vb[2 * half], vb[2 * half + 1])
+                        if TWO:
+                            mma_into(acc1, 2 * d2 + half, P1, 0, vb[2 * half], vb[2 * half + 1])
             cuda.syncthreads()  # everyone is done with buffer `buf` before iteration j + 1 refills it
 
         I.cp_async_wait_all()  # nothing left in flight (only Q's group when no key tile was visible)
 
-        # Step 3: O_i = acc / l_i, lse_i = m_i + log l_i (the head-dim padding columns are not written).
-        for r in range(2):
-            row = q_start + 16 * warp + g + 8 * r
-            l_row = l_i[r]
-            l_row += shfl_xor(FULL, l_row, 1)
-            l_row += shfl_xor(FULL, l_row, 2)
-            if row < seqlen_q:
-                inv_l = numba.float32(1) / l_row if l_row > 0 else ZERO
-                for dt in range(D_TILES):
-                    if 8 * dt < D:
-                        store_pair(o, b, h, row, 8 * dt + 2 * t, acc[dt, 2 * r] * inv_l, acc[dt, 2 * r + 1] * inv_l)
-                if t == 0:
-                    lse[b, h, row] = m_i[r] * LN2 + math.log(l_row) if l_row > 0 else NEG_INF
+        # Step 3: O_i = acc / l_i, lse_i = m_i + log l_i.
+        write_rows(o, lse, acc0, m0, l0, b, h, row0, seqlen_q, g, t)
+        if TWO:
+            write_rows(o, lse, acc1, m1, l1, b, h, row0 + 16, seqlen_q, g, t)
 
     return flash_forward_tc
 

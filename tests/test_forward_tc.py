@@ -110,6 +110,13 @@ def test_forward_tc_padded_head_dims(xp, rng, d, q_in_regs):
     run_and_check(xp, rng, 21, 35, d, "bfloat16", True, cfg=cfg, heads=1)
 
 
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+def test_forward_tc_two_m_tiles_per_warp(xp, rng, kind):
+    """FlashAttention-2's warp layout: 2 warps × 2 m-tiles of 16 rows, every K/V fragment feeding both."""
+    cfg = F.TCConfig(64, 16, 32, kind, m_tiles=2)
+    run_and_check(xp, rng, 70, 37, 32, kind, True, cfg=cfg, heads=1)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("d", [64, 128])
 def test_forward_tc_gpu_configuration(xp, rng, d):
