@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import sys
 import threading
@@ -179,19 +180,30 @@ else:
 DEFAULT_SHARED_LIMIT = 48 * 1024
 
 
+@functools.cache
+def _device_properties(index: int) -> tuple[tuple[int, int], int]:
+    """(compute capability, opt-in shared memory per block) of GPU ``index``, asked once."""
+    dev = cuda.gpus[index]
+    return tuple(dev.compute_capability), int(dev.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+
+
+def _current_index() -> int:
+    """The current CUDA context's device ordinal (one driver call, no Numba device object)."""
+    return (_fast_path or _load_fast_path()).current_device()
+
+
 def compute_capability() -> tuple[int, int] | None:
     """The current device's compute capability, or None in the simulator (which has no tensor cores)."""
     if SIMULATOR:
         return None
-    return tuple(cuda.get_current_device().compute_capability)
+    return _device_properties(_current_index())[0]
 
 
 def max_shared_per_block() -> int:
-    """The device's opt-in shared-memory limit per block (bytes)."""
+    """The current device's opt-in shared-memory limit per block (bytes)."""
     if SIMULATOR:
         return 227 * 1024
-    dev = cuda.get_current_device()
-    return int(dev.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+    return _device_properties(_current_index())[1]
 
 
 def set_max_dynamic_shared(dispatcher, nbytes: int) -> None:
@@ -250,9 +262,13 @@ class _SimArray:
 def launch(dispatcher, grid, block, stream, shared_bytes: int, *args) -> None:
     """Launch a kernel with ``shared_bytes`` of dynamic shared memory on ``stream``.
 
-    On the GPU the signature is compiled first (once), so the kernel's dynamic
-    shared-memory limit can be raised before its first launch.  In the
-    simulator, strided NumPy views are passed through in place.
+    ``stream``: a raw ``CUstream`` handle (``int``; 0 is the legacy default
+    stream) or a Numba stream object.  On the GPU the launch goes through the
+    fast path of :mod:`nbflash._launch` — compiled once per argument
+    signature, with the dynamic shared-memory limit raised before the first
+    launch, then one ``cuLaunchKernel`` per call; arguments it cannot describe
+    (NumPy arrays to be copied, records, ...) go through Numba's dispatcher as
+    before.  In the simulator, strided NumPy views are passed through in place.
     """
     if SIMULATOR:
         args = tuple(
@@ -260,11 +276,109 @@ def launch(dispatcher, grid, block, stream, shared_bytes: int, *args) -> None:
         )
         dispatcher[grid, block, 0, shared_bytes](*args)
         return
+    fast = _fast_path or _load_fast_path()
+    handle = stream if type(stream) is int else stream_handle(stream)
+    if fast.launch(dispatcher, grid, block, handle, shared_bytes, args):
+        return
+    dispatcher_launch(dispatcher, grid, block, stream, shared_bytes, *args)
+
+
+def dispatcher_launch(dispatcher, grid, block, stream, shared_bytes: int, *args) -> None:
+    """Launch through Numba's dispatcher (types and marshals every argument on every call).
+
+    The route for arguments the fast path cannot describe, and the baseline the
+    overhead benchmark compares with.  ``stream`` may be a raw handle.
+    """
+    if type(stream) is int and stream:
+        stream = cuda.external_stream(stream)
     sig = tuple(dispatcher.typeof_pyval(a) for a in args)
     if sig not in dispatcher.overloads:
         dispatcher.compile(sig)
         set_max_dynamic_shared(dispatcher, shared_bytes)
     dispatcher[grid, block, stream, shared_bytes](*args)
+
+
+_fast_path = None
+
+
+def _load_fast_path():
+    """Import :mod:`nbflash._launch` (it imports this module, so not at the top)."""
+    global _fast_path
+    from . import _launch
+
+    _fast_path = _launch
+    return _launch
+
+
+def stream_handle(stream) -> int:
+    """The raw ``CUstream`` handle of a Numba (or ``cuda.core``) stream object, or of an ``int``; 0 for None."""
+    if stream is None or type(stream) is int:
+        return stream or 0
+    return int(getattr(stream, "handle", stream) or 0)
+
+
+# The fast path's needs from numba-cuda: types for a signature, the compiled kernel's handle.
+
+
+def numba_types():
+    """Numba's type module (``numba.cuda.types``)."""
+    from numba.cuda import types
+
+    return types
+
+
+def array_type(dtype, ndim: int, layout: str):
+    """The Numba type of a mutable device array: ``Array(dtype, ndim, layout)``."""
+    from numba.cuda.np import numpy_support
+
+    return numba_types().Array(numpy_support.from_dtype(dtype), ndim, layout)
+
+
+_SCALAR_CODES = {
+    "d": "float64",
+    "f": "float32",
+    "e": "float16",
+    "?": "boolean",
+    "b": "int8",
+    "h": "int16",
+    "i": "int32",
+    "q": "int64",
+    "B": "uint8",
+    "H": "uint16",
+    "I": "uint32",
+    "Q": "uint64",
+}
+
+
+def scalar_type(code: str):
+    """The Numba type of a scalar argument from its ``struct`` code (``"d"`` -> float64, ``"?"`` -> boolean, ...)."""
+    return getattr(numba_types(), _SCALAR_CODES[code])
+
+
+def kernel_handle(dispatcher, argtypes, device: int, shared_bytes: int) -> int:
+    """Compile ``dispatcher`` for ``argtypes`` (once), load it on GPU ``device``; its ``CUkernel`` handle.
+
+    Raises the kernel's dynamic shared-memory limit to ``shared_bytes`` on that
+    device first (see :func:`set_max_dynamic_shared`).  Kernels compiled with
+    ``debug`` (exception reporting), cooperative launch or argument extensions
+    need Numba's own launch and raise ``NotImplementedError``.
+    """
+    from numba.cuda.cudadrv.driver import binding, driver
+
+    with cuda.gpus[device]:
+        kernel = dispatcher.compile(tuple(argtypes))
+        if kernel.debug or kernel.cooperative or kernel.extensions:
+            raise NotImplementedError("debug, cooperative or extended kernels need Numba's launch")
+        cufunc = kernel._codelibrary.get_cufunc()
+        if shared_bytes > DEFAULT_SHARED_LIMIT:
+            attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            driver.cuKernelSetAttribute(attr, int(shared_bytes), cufunc.handle, cufunc.device.id)
+        return int(cufunc.handle)
+
+
+def ensure_context() -> None:
+    """Make a CUDA context current on this thread (Numba's primary context of the current device)."""
+    cuda.current_context()
 
 
 @contextlib.contextmanager

@@ -1,4 +1,10 @@
-"""The stream a launch goes on: the caller's current stream, as Numba sees it."""
+"""The stream a launch goes on: the caller's current stream, as a raw ``CUstream`` handle.
+
+Kernels launch through :func:`nbflash._device.launch`, which takes the raw
+handle (an ``int``) and hands it to the driver: no Numba stream object is made
+on the hot path, and a launch inside CuPy's or PyTorch's stream capture is
+recorded into the graph being captured.
+"""
 
 from __future__ import annotations
 
@@ -13,16 +19,15 @@ def _numba_stream(ptr: int):
     return cuda.external_stream(ptr)
 
 
-def current_stream(xp):
-    """Numba stream for CuPy's current stream (0, the legacy default stream, when unset).
+def current_stream(xp) -> int:
+    """The raw handle of CuPy's current stream (0, the legacy default stream, when unset).
 
     Launching there keeps nbflash ordered with the caller's own work without any
-    synchronisation.  The simulator has no streams.
+    synchronisation.  The simulator has no streams: 0.
     """
     if SIMULATOR or xp.__name__ == "numpy":
         return 0
-    ptr = xp.cuda.get_current_stream().ptr
-    return _numba_stream(ptr) if ptr else 0
+    return xp.cuda.get_current_stream().ptr
 
 
 def numba_stream_from_ptr(ptr: int):

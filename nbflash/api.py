@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from . import backward as _bwd
+from . import backward_tc as _bwd_tc
 from . import forward as _simt
 from . import forward_tc as _tc
 from ._device import compute_capability
@@ -27,26 +28,31 @@ class Plan:
     reason: str
 
 
-def _plan_forward(p: Problem, q, k, v, backend: str) -> Plan:
-    """Choose the forward kernel for a validated call (``q, k, v`` canonical views)."""
+def plan_forward(head_dim: int, input_kind: str, scale: float, q, k, v, backend: str = "auto") -> Plan:
+    """Choose the forward kernel for validated inputs: canonical ``(B, H, N, D)`` views or descriptors of q, k, v.
+
+    The rule of :func:`which_backend`; bridges that validate their own inputs
+    (:mod:`nbflash.torch`) call this directly.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    simt = _simt.choose_config(p.head_dim, p.input_kind)
+    simt = _simt.choose_config(head_dim, input_kind)
     if backend == "simt":
         return Plan("simt", simt, "requested")
     why = ""
-    if p.input_kind not in ("float16", "bfloat16"):
-        why = f"the tensor cores take float16 and bfloat16, not {p.input_kind}"
-    elif p.head_dim % 8:
-        why = f"head dim {p.head_dim} is not a multiple of 8 (rows must be whole 16-byte chunks)"
-    elif not p.scale > 0:
-        why = f"scale {p.scale} is not positive"
+    if input_kind not in ("float16", "bfloat16"):
+        why = f"the tensor cores take float16 and bfloat16, not {input_kind}"
+    elif head_dim % 8:
+        why = f"head dim {head_dim} is not a multiple of 8 (rows must be whole 16-byte chunks)"
+    elif not scale > 0:
+        why = f"scale {scale} is not positive"
     if not why:
-        cfg = _tc.choose_config(p.head_dim, p.input_kind)
+        cfg = _tc.choose_config(head_dim, input_kind)
         ok, why = _tc.can_implement(cfg, q, k, v)
-    cc = compute_capability()
-    if not why and backend == "auto" and (cc is None or cc < (8, 0)):
-        why = "the simulator has no tensor cores" if cc is None else f"compute capability {cc} < 8.0"
+    if not why and backend == "auto":
+        cc = compute_capability()
+        if cc is None or cc < (8, 0):
+            why = "the simulator has no tensor cores" if cc is None else f"compute capability {cc} < 8.0"
     if why:
         if backend == "tensor_core":
             raise ValueError(f"backend='tensor_core' cannot run this call: {why}")
@@ -54,8 +60,17 @@ def _plan_forward(p: Problem, q, k, v, backend: str) -> Plan:
     return Plan("tensor_core", cfg, "requested" if backend == "tensor_core" else "float16/bfloat16 on sm_80+")
 
 
-def which_backend(q, k, v, *, causal: bool = False, scale: float | None = None, layout: str = "bhsd",
-                  backend: str = "auto", bf16_bits: bool = False) -> Plan:
+def which_backend(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str = "bhsd",
+    backend: str = "auto",
+    bf16_bits: bool = False,
+) -> Plan:
     """The forward kernel that :func:`attention` would run on these inputs, and why.
 
     ``backend="auto"`` picks the tensor-core kernel (:mod:`nbflash.forward_tc`)
@@ -67,7 +82,7 @@ def which_backend(q, k, v, *, causal: bool = False, scale: float | None = None, 
     picks SIMT, and ``"tensor_core"`` runs the emulated instructions.
     """
     p = check_attention(q, k, v, causal=causal, scale=scale, layout=layout, bf16_bits=bf16_bits)
-    return _plan_forward(p, *(canonical(a, layout) for a in (q, k, v)), backend)
+    return plan_forward(p.head_dim, p.input_kind, p.scale, *(canonical(a, layout) for a in (q, k, v)), backend)
 
 
 def _forward(p: Problem, q, k, v, *, stream=None, backend: str = "auto"):
@@ -77,7 +92,7 @@ def _forward(p: Problem, q, k, v, *, stream=None, backend: str = "auto"):
     """
     xp = p.xp
     cq, ck, cv = (canonical(a, p.layout) for a in (q, k, v))
-    plan = _plan_forward(p, cq, ck, cv, backend)
+    plan = plan_forward(p.head_dim, p.input_kind, p.scale, cq, ck, cv, backend)
     if p.layout == "bhsd":
         o = xp.empty((p.batch, p.heads, p.seqlen_q, p.head_dim), dtype=q.dtype)
     else:
@@ -89,8 +104,17 @@ def _forward(p: Problem, q, k, v, *, stream=None, backend: str = "auto"):
     return o, lse
 
 
-def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layout: str = "bhsd",
-              return_lse: bool = False, backend: str = "auto"):
+def attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str = "bhsd",
+    return_lse: bool = False,
+    backend: str = "auto",
+):
     """Exact scaled-dot-product attention, ``softmax(Q Kᵀ · scale) V``, by one fused kernel.
 
     Args:
@@ -137,8 +161,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layo
     return (o, lse) if return_lse else o
 
 
-def forward_arrays(q, k, v, *, causal=False, scale=None, layout="bhsd", bf16_bits=False, stream=None,
-                   backend="auto"):
+def forward_arrays(q, k, v, *, causal=False, scale=None, layout="bhsd", bf16_bits=False, stream=None, backend="auto"):
     """``(o, lse)`` — :func:`attention` for bridges, with two more options.
 
     ``bf16_bits``: q, k, v (and then o) are uint16 arrays holding bfloat16
@@ -150,8 +173,20 @@ def forward_arrays(q, k, v, *, causal=False, scale=None, layout="bhsd", bf16_bit
         return _forward(p, q, k, v, stream=stream, backend=backend)
 
 
-def attention_backward(do, q, k, v, o, lse, *, causal: bool = False, scale: float | None = None,
-                       layout: str = "bhsd", deterministic: bool = False):
+def attention_backward(
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str = "bhsd",
+    deterministic: bool = False,
+    backend: str = "auto",
+):
     """Gradients ``(dq, dk, dv)`` of :func:`attention` by recomputation (FlashAttention-2's backward).
 
     Args:
@@ -173,6 +208,11 @@ def attention_backward(do, q, k, v, o, lse, *, causal: bool = False, scale: floa
             against 16–18 for the deterministic one at D = 64, and 16–17
             against 14–16 at D = 128, for 128 MB more scratch (the float32 dq
             accumulator); ``benchmarks/results/`` has the figures.
+        backend: ``"auto"`` (the tensor-core backward of
+            :mod:`nbflash.backward_tc` for float16/bfloat16 at head dim 64 or
+            128 on an sm_80+ GPU, the SIMT one otherwise), ``"simt"`` or
+            ``"tensor_core"``; independent of the forward's backend (both read
+            and write the same ``o`` and ``lse``).
 
     Returns:
         ``(dq, dk, dv)``, new arrays with the dtype, layout and array type of
@@ -184,12 +224,27 @@ def attention_backward(do, q, k, v, o, lse, *, causal: bool = False, scale: floa
 
     The inputs are never modified.
     """
-    return backward_arrays(do, q, k, v, o, lse, causal=causal, scale=scale, layout=layout,
-                           deterministic=deterministic)
+    return backward_arrays(
+        do, q, k, v, o, lse, causal=causal, scale=scale, layout=layout, deterministic=deterministic, backend=backend
+    )
 
 
-def backward_arrays(do, q, k, v, o, lse, *, causal=False, scale=None, layout="bhsd", deterministic=False,
-                    bf16_bits=False, stream=None):
+def backward_arrays(
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    *,
+    causal=False,
+    scale=None,
+    layout="bhsd",
+    deterministic=False,
+    bf16_bits=False,
+    stream=None,
+    backend="auto",
+):
     """``(dq, dk, dv)`` — :func:`attention_backward` for bridges, with ``bf16_bits`` and ``stream``.
 
     ``bf16_bits``: do, q, k, v, o (and then dq, dk, dv) are uint16 arrays
@@ -206,25 +261,91 @@ def backward_arrays(do, q, k, v, o, lse, *, causal=False, scale=None, layout="bh
     check_device(("q", "do", "o", "lse"), (q, do, o, lse), p.xp)
     xp = p.xp
     with array_device(xp, q):
-        return _backward(p, do, q, k, v, o, lse, deterministic=bool(deterministic), stream=stream)
+        return _backward(p, do, q, k, v, o, lse, deterministic=bool(deterministic), stream=stream, backend=backend)
 
 
-def _backward(p: Problem, do, q, k, v, o, lse, *, deterministic: bool, stream):
+def plan_backward(head_dim: int, input_kind: str, scale: float, do, q, k, v, o, backend: str = "auto") -> Plan:
+    """Choose the backward kernels for validated inputs (canonical views or descriptors): the rule of
+    :func:`plan_forward`, with the tensor-core backward's own constraints (head dim 64 or 128 on a GPU)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    simt = _bwd.choose_config(head_dim, input_kind)
+    if backend == "simt":
+        return Plan("simt", simt, "requested")
+    why, cfg = "", None
+    if input_kind not in ("float16", "bfloat16"):
+        why = f"the tensor cores take float16 and bfloat16, not {input_kind}"
+    else:
+        try:
+            cfg = _bwd_tc.choose_config(head_dim, input_kind)
+        except ValueError as e:
+            why = str(e)
+    if not why:
+        ok, why = _bwd_tc.can_implement(cfg, do, q, k, v, o)
+    if not why and backend == "auto":
+        cc = compute_capability()
+        if cc is None or cc < (8, 0):
+            why = "the simulator has no tensor cores" if cc is None else f"compute capability {cc} < 8.0"
+    if why:
+        if backend == "tensor_core":
+            raise ValueError(f"backend='tensor_core' cannot run this backward: {why}")
+        return Plan("simt", simt, why)
+    return Plan("tensor_core", cfg, "requested" if backend == "tensor_core" else "float16/bfloat16 on sm_80+")
+
+
+def _backward(p: Problem, do, q, k, v, o, lse, *, deterministic: bool, stream, backend: str = "auto"):
     """Allocate ``dq, dk, dv`` (in the caller's layout) and run the backward kernels."""
     xp, layout = p.xp, p.layout
+    cdo, cq, ck, cv, co = (canonical(a, layout) for a in (do, q, k, v, o))
+    plan = plan_backward(p.head_dim, p.input_kind, p.scale, cdo, cq, ck, cv, co, backend)
     dq, dk, dv = (xp.empty(a.shape, dtype=a.dtype) for a in (q, k, v))  # C-contiguous, in the caller's layout
-    cfg = _bwd.choose_config(p.head_dim, p.input_kind)
-    _bwd.launch_backward(
-        cfg,
-        *(canonical(a, layout) for a in (q, k, v, o, do)),
-        lse,
-        *(canonical(a, layout) for a in (dq, dk, dv)),
-        p.scale,
-        p.causal,
-        deterministic=deterministic,
-        stream=current_stream(xp) if stream is None else stream,
-    )
+    cdq, cdk, cdv = (canonical(a, layout) for a in (dq, dk, dv))
+    stream = current_stream(xp) if stream is None else stream
+    if plan.backend == "tensor_core":
+        _bwd_tc.launch_backward_tc(
+            plan.config,
+            cdo,
+            cq,
+            ck,
+            cv,
+            co,
+            lse,
+            cdq,
+            cdk,
+            cdv,
+            p.scale,
+            p.causal,
+            deterministic=deterministic,
+            stream=stream,
+        )
+    else:
+        _bwd.launch_backward(
+            plan.config,
+            cq,
+            ck,
+            cv,
+            co,
+            cdo,
+            lse,
+            cdq,
+            cdk,
+            cdv,
+            p.scale,
+            p.causal,
+            deterministic=deterministic,
+            stream=stream,
+        )
     return dq, dk, dv
 
 
-__all__ = ["attention", "attention_backward", "backward_arrays", "forward_arrays"]
+__all__ = [
+    "BACKENDS",
+    "Plan",
+    "attention",
+    "attention_backward",
+    "backward_arrays",
+    "forward_arrays",
+    "plan_backward",
+    "plan_forward",
+    "which_backend",
+]

@@ -464,7 +464,9 @@ def can_implement(cfg: TCConfig, *arrays) -> tuple[bool, str]:
 
 
 def _address(a) -> int:
-    """The address of ``a``'s first element (CuPy, NumPy, or any CUDA array interface)."""
+    """The address of ``a``'s first element (a descriptor, CuPy, NumPy, or any CUDA array interface)."""
+    if hasattr(a, "ptr"):  # a kernel argument descriptor (nbflash._launch.ArrayArg)
+        return a.ptr
     if hasattr(a, "data") and hasattr(a.data, "ptr"):  # CuPy
         return a.data.ptr
     if hasattr(a, "__cuda_array_interface__"):

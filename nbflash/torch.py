@@ -7,9 +7,7 @@
 The file reads bottom-up in four layers, as flash-attn's interface does:
 
 1. **Raw kernel call** (:func:`_flash_fwd`, :func:`_flash_bwd`): tensors in,
-   tensors out, through the array-level entry points
-   :func:`nbflash.api.forward_arrays` and :func:`nbflash.api.backward_arrays`.
-   Nothing is copied on the way (see *Memory and streams* below).
+   tensors out.  Nothing is copied on the way (see *Memory and streams* below).
 2. **Custom ops** ``nbflash::attention_fwd`` → ``(o, lse)`` and
    ``nbflash::attention_bwd`` → ``(dq, dk, dv)``, registered with
    ``torch.library.custom_op``, each with a ``register_fake`` that gives the
@@ -22,13 +20,20 @@ The file reads bottom-up in four layers, as flash-attn's interface does:
 
 Tensors, by where nbflash runs:
 
-* **GPU** (CUDA tensors).  Inputs are viewed in CuPy with ``cupy.from_dlpack``;
-  every allocation the call makes — outputs and scratch — is a ``torch.empty``
-  on the tensors' device, so PyTorch's caching allocator owns the memory and
-  the outputs come back as ordinary PyTorch tensors (``record_stream``, CUDA
-  graphs and memory statistics work on them).  Kernels run on PyTorch's
-  current stream of that device, with no synchronisation: ordered after the
-  work that produced the inputs, before the work that reads the outputs.
+* **GPU** (CUDA tensors).  The forward hands the kernel *descriptors* of the
+  tensors — data pointer, shape, strides in bytes, dtype
+  (:class:`nbflash._launch.ArrayArg`) — straight from tensor metadata, and
+  allocates ``o`` and ``lse`` with ``torch.empty``: no DLPack, no CuPy, and one
+  ``cuLaunchKernel`` (:mod:`nbflash._launch`).  The backward goes through
+  :func:`nbflash.api.backward_arrays` on CuPy views built from the same
+  metadata (zero copy, without ``cupy.from_dlpack``'s cost), and every
+  allocation it makes — outputs and scratch — is a ``torch.empty`` on the
+  tensors' device.  So PyTorch's caching allocator owns all memory and the
+  outputs are ordinary PyTorch tensors (``record_stream``, CUDA graphs and
+  memory statistics work on them).  Kernels run on PyTorch's current stream
+  of that device (its raw handle), with no synchronisation: ordered after the
+  work that produced the inputs, before the work that reads the outputs, and
+  captured when that stream is capturing a CUDA graph (``torch.cuda.graph``).
 * **Simulator** (``nbflash.SIMULATOR``, CPU tensors).  Inputs are viewed as
   NumPy arrays (``Tensor.numpy()`` shares memory) and the outputs wrapped with
   ``torch.from_numpy``, so the bridge and the autograd wiring are tested on any
@@ -58,12 +63,23 @@ import numpy as np
 import torch
 
 from . import api as _api
+from . import forward as _fwd
+from . import forward_tc as _tc
 from ._device import SIMULATOR
-from ._streams import numba_stream_from_ptr, on_device
-from ._validate import LAYOUTS, check_scale
+from ._launch import ArrayArg
+from ._validate import LAYOUTS, MAX_HEAD_DIM, check_scale
 
 #: Tensor dtypes the kernels take; bfloat16 travels as its raw bits (uint16).
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+#: Tensor dtypes as the kernels see them (bfloat16 as its bits) and their sizes.
+_NP_DTYPE = {
+    torch.float16: np.dtype(np.float16),
+    torch.bfloat16: np.dtype(np.uint16),
+    torch.float32: np.dtype(np.float32),
+    torch.float64: np.dtype(np.float64),
+}
+_ITEMSIZE = {t: d.itemsize for t, d in _NP_DTYPE.items()}
 
 #: Output arrays' dtypes back to tensors' (uint16 only ever holds bfloat16 bits).
 _TORCH_DTYPE = {
@@ -119,20 +135,59 @@ def _seqlen_heads(x: torch.Tensor, layout: str):
 
 
 # ----------------------------------------------------------------------------
-# 1. Raw kernel call: tensors -> arrays -> nbflash.api -> tensors, no copies
+# 1. Raw kernel call: tensors -> kernels -> tensors, no copies
 # ----------------------------------------------------------------------------
+
+
+def _check_problem(q, k, v, causal, scale, layout):
+    """Shapes and flags of a forward call, checked on the tensors: ``(B, H, Nq, D, scale)``.
+
+    The checks and messages of :func:`nbflash._validate.check_attention`
+    (dtypes and devices are :func:`_check_tensors`'), read from tensor
+    metadata only, so the GPU route needs no array views to validate.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be 'bhsd' (batch, heads, seqlen, headdim) or 'bshd', got {layout!r}")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    names = ("q", "k", "v")
+    for n, t in zip(names, (q, k, v), strict=True):
+        if t.dim() != 4:
+            dims = "(batch, heads, seqlen, headdim)" if layout == "bhsd" else "(batch, seqlen, heads, headdim)"
+            raise ValueError(f"{n} must be 4-D {dims} for layout={layout!r}, got shape {tuple(t.shape)}")
+    B, H, Nq = _seqlen_heads(q, layout)
+    D = q.shape[3]
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    kb, kh, _ = _seqlen_heads(k, layout)
+    if kb != B or kh != H:
+        raise ValueError(
+            f"k must have the batch size and number of heads of q ({B}, {H}), got shape {tuple(k.shape)} "
+            f"with layout={layout!r}"
+        )
+    if k.shape[3] != D:
+        raise ValueError(f"k and v must have the head dim of q ({D}), got {k.shape[3]}")
+    for n, t in zip(names, (q, k, v), strict=True):
+        if t.numel() == 0:
+            raise ValueError(f"{n} is empty (shape {tuple(t.shape)}); every dimension must be at least 1")
+    if D > MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be at most {MAX_HEAD_DIM}, got {D}")
+    return B, H, Nq, D, check_scale(scale, D)
 
 
 def _kernel_view(t: torch.Tensor) -> torch.Tensor:
     """``t`` as the kernels can read it: the tensor itself unless its last axis is strided (then a copy)."""
-    t = t.detach()
     if t.dim() >= 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
         t = t.contiguous()
     return t
 
 
+# --- Simulator: NumPy views through nbflash.api ------------------------------
+
+
 def _numpy_view(t: torch.Tensor) -> np.ndarray:
     """A NumPy array sharing ``t``'s memory (bfloat16 as uint16 bits)."""
+    t = t.detach()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16)
     return t.numpy()
@@ -145,8 +200,71 @@ def _from_numpy(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
+def _run_simulator(entry, tensors, **kwargs):
+    """Call the array-level ``entry`` (``forward_arrays``/``backward_arrays``) on NumPy views of CPU ``tensors``."""
+    tensors = [_kernel_view(t) for t in tensors]
+    bf16 = any(t.dtype == torch.bfloat16 for t in tensors)
+    outs = entry(*(_numpy_view(t) for t in tensors), bf16_bits=bf16, stream=0, **kwargs)
+    return tuple(_from_numpy(a) for a in outs)
+
+
+# --- GPU: descriptors and PyTorch's stream, device and allocator --------------
+
+
+def _describe(t: torch.Tensor) -> ArrayArg:
+    """The kernel's view of a CUDA tensor: pointer, shape, byte strides, dtype (bfloat16 as uint16). No DLPack."""
+    itemsize = _ITEMSIZE[t.dtype]
+    return ArrayArg(t.data_ptr(), tuple(t.shape), tuple(s * itemsize for s in t.stride()), _NP_DTYPE[t.dtype])
+
+
+def _raw_stream(index: int) -> int:
+    """The handle of PyTorch's current stream on GPU ``index`` (what ``current_stream().cuda_stream`` gives)."""
+    try:
+        return torch._C._cuda_getCurrentRawStream(index)
+    except AttributeError:  # pragma: no cover - older or newer PyTorch
+        return torch.cuda.current_stream(index).cuda_stream
+
+
+def _on_device(index: int):
+    """PyTorch's (and so the CUDA runtime's current context's) device ``index`` for the block; free if current."""
+    if torch.cuda.current_device() == index:
+        return contextlib.nullcontext()
+    return torch.cuda.device(index)
+
+
+def _gpu_forward(q, k, v, causal: bool, scale: float, layout: str, B: int, H: int, Nq: int, D: int, backend: str):
+    """``(o, lse)`` on the GPU: outputs from ``torch.empty``, the kernel launched on tensor descriptors.
+
+    ``o`` is allocated in the caller's layout; the kernel sees canonical
+    ``(B, H, N, D)`` descriptors (for ``bshd`` the axes of the same memory
+    reordered).  It runs on PyTorch's current stream of the tensors' device,
+    which also owns the outputs' memory (the caching allocator's stream).
+    """
+    index = q.device.index
+    with _on_device(index):
+        q, k, v = _kernel_view(q), _kernel_view(k), _kernel_view(v)
+        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty((B, H, Nq), dtype=_lse_dtype(q.dtype), device=q.device)
+        arrays = [_describe(t) for t in (q, k, v, o)]
+        if layout == "bshd":
+            arrays = [a.permute((0, 2, 1, 3)) for a in arrays]
+        lse_arg = _describe(lse)
+        # cfg.trace is off, so the kernel never touches `trace`: it only has to have the right type.
+        es = lse_arg.itemsize
+        trace = ArrayArg(lse_arg.ptr, (1, 1, 1, 1, 2), (2 * es, 2 * es, 2 * es, 2 * es, es), lse_arg.dtype)
+        kind = "bfloat16" if q.dtype == torch.bfloat16 else str(q.dtype).removeprefix("torch.")
+        plan = _api.plan_forward(D, kind, scale, *arrays[:3], backend)
+        if plan.backend == "tensor_core":
+            _tc.launch_forward_tc(plan.config, *arrays, lse_arg, scale, bool(causal), stream=_raw_stream(index))
+        else:
+            _fwd.launch_forward(
+                plan.config, *arrays, lse_arg, scale, bool(causal), trace=trace, stream=_raw_stream(index)
+            )
+    return o, lse
+
+
 def _cupy():
-    """CuPy, which carries the arrays to the kernels on the GPU."""
+    """CuPy, which carries the backward's arrays through nbflash.api on the GPU."""
     try:
         import cupy
     except ImportError as e:  # pragma: no cover - depends on the installation
@@ -188,66 +306,60 @@ class _TorchMemory:
 
 
 def _cupy_view(cupy, t: torch.Tensor):
-    """A CuPy array sharing ``t``'s memory (bfloat16 as uint16 bits), through DLPack."""
-    if t.dtype == torch.bfloat16:
-        return cupy.from_dlpack(t.view(torch.int16)).view(cupy.uint16)
-    return cupy.from_dlpack(t)
+    """A CuPy array on ``t``'s memory (bfloat16 as uint16 bits), built from its pointer and strides.
+
+    ``cupy.from_dlpack`` would cost tens of µs per tensor; this is the same
+    zero-copy view from metadata.  The view holds ``t`` (so its memory) alive.
+    """
+    arg = _describe(t)
+    extent = arg.itemsize + sum((n - 1) * s for n, s in zip(arg.shape, arg.strides, strict=True) if n > 0)
+    mem = cupy.cuda.UnownedMemory(arg.ptr, extent, t, t.device.index)
+    return cupy.ndarray(arg.shape, arg.dtype, cupy.cuda.MemoryPointer(mem, 0), arg.strides)
 
 
-@contextlib.contextmanager
-def _on_torch_stream(device: torch.device):
-    """Make PyTorch's current stream, device and memory CuPy's and Numba's for one call.
+def _run_gpu(entry, tensors, **kwargs):
+    """Call the array-level ``entry`` on CuPy views of CUDA ``tensors``, allocating through PyTorch.
 
-    Yields the Numba stream to launch on and the allocator that ``nbflash.api``
-    (through CuPy) allocates outputs and scratch with.
+    The launch goes on PyTorch's current stream (its raw handle); the outputs
+    come back as tensors on the storage PyTorch's allocator gave them.
     """
     cupy = _cupy()
-    index = device.index
-    ptr = torch.cuda.current_stream(device).cuda_stream
-    cupy_stream = cupy.cuda.ExternalStream(ptr, index) if ptr else cupy.cuda.Stream.null
-    memory = _TorchMemory(device)
-    with (
-        torch.cuda.device(index),
-        cupy.cuda.Device(index),
-        on_device(index),
-        cupy_stream,
-        cupy.cuda.using_allocator(memory),
-    ):
-        yield numba_stream_from_ptr(ptr), memory
-
-
-def _run(entry, tensors, **kwargs):
-    """Call the array-level ``entry`` (``forward_arrays`` or ``backward_arrays``) on ``tensors``.
-
-    ``entry``'s arguments are the arrays viewing ``tensors``, in order, then
-    ``kwargs``, ``bf16_bits`` and ``stream``.  Returns its outputs as tensors
-    that share memory with the arrays the kernels wrote.
-    """
     tensors = [_kernel_view(t) for t in tensors]
     bf16 = any(t.dtype == torch.bfloat16 for t in tensors)
-    if SIMULATOR:
-        outs = entry(*(_numpy_view(t) for t in tensors), bf16_bits=bf16, stream=0, **kwargs)
-        return tuple(_from_numpy(a) for a in outs)
-    cupy = _cupy()
-    with _on_torch_stream(tensors[0].device) as (stream, memory):
+    device = tensors[0].device
+    memory = _TorchMemory(device)
+    with _on_device(device.index), cupy.cuda.using_allocator(memory):
         arrays = [_cupy_view(cupy, t) for t in tensors]
-        outs = entry(*arrays, bf16_bits=bf16, stream=stream, **kwargs)
+        outs = entry(*arrays, bf16_bits=bf16, stream=_raw_stream(device.index), **kwargs)
         return tuple(memory.tensor(a) for a in outs)
 
 
-def _flash_fwd(q, k, v, causal: bool, scale: float | None, layout: str):
+def _flash_fwd(q, k, v, causal: bool, scale: float | None, layout: str, backend: str = "auto"):
     """``(o, lse)`` from the forward kernel; ``o`` contiguous in ``layout``."""
     _check_tensors(("q", "k", "v"), (q, k, v), ("q", "k", "v"))
-    return _run(_api.forward_arrays, (q, k, v), causal=causal, scale=scale, layout=layout)
+    B, H, Nq, D, scale_ = _check_problem(q, k, v, causal, scale, layout)
+    if SIMULATOR:
+        return _run_simulator(
+            _api.forward_arrays, (q, k, v), causal=causal, scale=scale, layout=layout, backend=backend
+        )
+    return _gpu_forward(q, k, v, causal, scale_, layout, B, H, Nq, D, backend)
 
 
-def _flash_bwd(do, q, k, v, o, lse, causal: bool, scale: float | None, layout: str):
+def _flash_bwd(do, q, k, v, o, lse, causal: bool, scale: float | None, layout: str, backend: str = "auto"):
     """``(dq, dk, dv)`` from the backward kernels, each contiguous in ``layout``."""
     names = ("do", "q", "k", "v", "o", "lse")
     _check_tensors(names, (do, q, k, v, o, lse), ("q", "k", "v", "o", "do"))
     # dq by atomics (fastest) unless the caller asked PyTorch for deterministic algorithms.
-    outs = _run(_api.backward_arrays, (do, q, k, v, o, lse), causal=causal, scale=scale, layout=layout,
-                deterministic=torch.are_deterministic_algorithms_enabled())
+    run = _run_simulator if SIMULATOR else _run_gpu
+    outs = run(
+        _api.backward_arrays,
+        (do, q, k, v, o, lse),
+        causal=causal,
+        scale=scale,
+        layout=layout,
+        deterministic=torch.are_deterministic_algorithms_enabled(),
+        backend=backend,
+    )
     # The fake implementation promises contiguous outputs; torch.compile relies on it.
     return tuple(x if x.is_contiguous() else x.contiguous() for x in outs)
 
@@ -259,14 +371,20 @@ def _flash_bwd(do, q, k, v, o, lse, causal: bool, scale: float | None, layout: s
 
 @torch.library.custom_op("nbflash::attention_fwd", mutates_args=())
 def attention_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None, layout: str
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float | None,
+    layout: str,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o, lse)``: ``o`` like ``q``, contiguous in ``layout``; ``lse`` ``(B, H, Nq)``, float32 or float64."""
-    return _flash_fwd(q, k, v, causal, scale, layout)
+    return _flash_fwd(q, k, v, causal, scale, layout, backend)
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, causal, scale, layout):
+def _attention_fwd_fake(q, k, v, causal, scale, layout, backend="auto"):
     batch, heads, seqlen_q = _seqlen_heads(q, layout)
     o = q.new_empty(q.shape)
     lse = q.new_empty((batch, heads, seqlen_q), dtype=_lse_dtype(q.dtype))
@@ -284,13 +402,14 @@ def attention_bwd(
     causal: bool,
     scale: float | None,
     layout: str,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` like ``q, k, v``, contiguous in ``layout``, from ``do = dL/do`` and the forward's ``o, lse``."""
-    return _flash_bwd(do, q, k, v, o, lse, causal, scale, layout)
+    return _flash_bwd(do, q, k, v, o, lse, causal, scale, layout, backend)
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(do, q, k, v, o, lse, causal, scale, layout):
+def _attention_bwd_fake(do, q, k, v, o, lse, causal, scale, layout, backend="auto"):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -300,17 +419,17 @@ def _attention_bwd_fake(do, q, k, v, o, lse, causal, scale, layout):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, layout = inputs
+    q, k, v, causal, scale, layout, backend = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
-    ctx.causal, ctx.scale, ctx.layout = causal, scale, layout
+    ctx.causal, ctx.scale, ctx.layout, ctx.backend = causal, scale, layout, backend
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, do, dlse):
     q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.layout)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.layout, ctx.backend)
+    return dq, dk, dv, None, None, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -329,6 +448,7 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     layout: str = "bhsd",
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Exact attention ``softmax(Q Kᵀ · scale) V`` on PyTorch tensors, differentiable in ``q, k, v``.
 
@@ -359,6 +479,10 @@ def attention(
             Free.
         layout: ``"bhsd"`` or ``"bshd"``; the output uses the same layout.
             Free either way: the other layout is a strided view, never a copy.
+        backend: the kernels: ``"auto"`` (tensor cores for float16 and
+            bfloat16 on an sm_80+ GPU where they apply, SIMT otherwise),
+            ``"simt"`` or ``"tensor_core"`` — for the forward and, through
+            autograd, the backward (see :func:`nbflash.which_backend`).
 
     Returns:
         ``o``, shaped like ``q`` (contiguous in ``layout``), dtype of ``q``.
@@ -389,7 +513,9 @@ def attention(
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if scale is not None:
         scale = check_scale(scale, q.shape[-1])
-    o, _ = attention_fwd(q, k, v, causal, scale, layout)
+    if backend not in _api.BACKENDS:
+        raise ValueError(f"backend must be one of {_api.BACKENDS}, got {backend!r}")
+    o, _ = attention_fwd(q, k, v, causal, scale, layout, backend)
     return o
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -307,7 +308,9 @@ def no_launch(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a kernel was launched")
 
-    monkeypatch.setattr(nbflash.api, "launch_forward", refuse)
+    # Both forward kernels, patched on their modules: nbflash.api and the bridge's GPU route look them up there.
+    monkeypatch.setattr(nbflash.forward, "launch_forward", refuse)
+    monkeypatch.setattr(nbflash.forward_tc, "launch_forward_tc", refuse)
     monkeypatch.setattr(nbflash.api._bwd, "launch_backward", refuse)
 
 
@@ -408,10 +411,24 @@ def cuda_spy(monkeypatch, name):
     return calls
 
 
+def launch_spy(monkeypatch):
+    """Record the descriptors (nbflash._launch.ArrayArg) the bridge's GPU forward launches a kernel on."""
+    calls = []
+    for module, name in ((nbt._fwd, "launch_forward"), (nbt._tc, "launch_forward_tc")):
+        real = getattr(module, name)
+
+        def wrapper(cfg, q, k, v, o, lse, *args, real=real, **kwargs):
+            calls.append(([a.ptr for a in (q, k, v)], [o.ptr, lse.ptr], q.dtype))
+            return real(cfg, q, k, v, o, lse, *args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+    return calls
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_gpu_zero_copy_and_torch_owned_outputs(monkeypatch, dtype):
-    fwd = cuda_spy(monkeypatch, "forward_arrays")
+    fwd = launch_spy(monkeypatch)
     bwd = cuda_spy(monkeypatch, "backward_arrays")
     qkv = torch.randn(2, 200, 3, 4, 64, device="cuda", dtype=dtype)
     q, k, v = (qkv[:, :, i].requires_grad_() for i in range(3))  # bshd slices: no copies
@@ -422,10 +439,10 @@ def test_gpu_zero_copy_and_torch_owned_outputs(monkeypatch, dtype):
     lse_bytes = 2 * 4 * 200 * 4
     # o and lse came from PyTorch's caching allocator (CuPy's pool would not show here).
     assert torch.cuda.memory_allocated() - before >= o_bytes + lse_bytes
-    in_ptrs, out_ptrs, kwargs = fwd[0]
+    in_ptrs, out_ptrs, kernel_dtype = fwd[0]
     assert in_ptrs == [t.data_ptr() for t in (q, k, v)]
     assert out_ptrs[0] == o.data_ptr()
-    assert kwargs["bf16_bits"] == (dtype == torch.bfloat16)
+    assert (kernel_dtype == np.uint16) == (dtype == torch.bfloat16)
     assert o.untyped_storage().data_ptr() == o.data_ptr() and o._base is None
     o.record_stream(torch.cuda.Stream())  # works only on allocator-owned storage, must not raise
 
@@ -548,3 +565,22 @@ def test_deterministic_follows_torch_setting(monkeypatch):
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda flag=flag: flag)
         nbt.attention(q, k, v, causal=True).sum().backward()
     assert [call[2]["deterministic"] for call in bwd] == [False, True]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_backend_choice_through_the_bridge(dtype):
+    """backend="tensor_core" and "simt" give the same attention (and gradients) through the custom op."""
+    q, k, v = make_qkv((1, 2, 21, 32), (1, 2, 35, 32), dtype, requires_grad=True)
+    outs = {}
+    for backend in ("tensor_core", "simt"):
+        o = nbt.attention(q, k, v, causal=True, backend=backend)
+        outs[backend] = (o.detach().double(), grads(o, (q, k, v), torch.ones_like(o)))
+    ref, _ = reference_grads(q, k, v, torch.ones_like(q), causal=True)
+    tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
+    for backend, (o, _) in outs.items():
+        assert (o - ref).abs().max() < tol, backend
+    assert (outs["tensor_core"][0] - outs["simt"][0]).abs().max() < tol
+    for a, b in zip(outs["tensor_core"][1], outs["simt"][1], strict=True):
+        assert (a.double() - b.double()).abs().max() < 5 * tol
+    with pytest.raises(ValueError, match="backend must be one of"):
+        nbt.attention(q, k, v, backend="fast")

@@ -1,0 +1,835 @@
+"""The FlashAttention-2 backward pass on tensor cores: ``mma.sync`` tiles, ``cp.async`` double buffering.
+
+The same algorithm as the SIMT backward of :mod:`nbflash.backward` (read that
+one first: it derives the gradients), with its five matrix products moved onto
+the tensor cores through the inline-PTX building blocks of
+:mod:`nbflash.intrinsics`, laid out as in the tensor-core forward of
+:mod:`nbflash.forward_tc`.
+
+Shapes (every tensor indexed ``[batch, head, row, d]``; ``bshd`` arrives as a strided view)::
+
+    q, o, do, dq   (B, H, N_q, D)      k, v, dk, dv   (B, H, N_k, D)      float16, or bfloat16 as uint16 bits
+    lse            (B, H, N_q)  float32, from the forward
+    delta, lse2    (B, H, N_q)  float32 scratch (step 0)     dq_accum  (B, H, N_q, D)  float32 (atomic dQ)
+
+The gradients, with ``P_ij = exp(S_ij·scale − lse_i)`` recomputed tile by tile::
+
+    dV = Pᵀ dO      dP = dO Vᵀ      dS = P ∘ (dP − D)      dQ = dS K · scale      dK = dSᵀ Q · scale
+
+where ``D_i = rowsum(dO_i ∘ O_i)``.
+
+0. **Preprocess** — the SIMT kernel of :mod:`nbflash.backward`: ``D_i``,
+   ``lse2_i = lse_i · log2 e`` (``+inf`` for a row that saw no key) and, for
+   the atomic variant, a cleared float32 dQ accumulator.
+
+1. **dK, dV** (grid: key tiles × heads × batch; ``BLOCK_N / 16`` warps).  Warp
+   ``w`` owns the 16 keys ``16w .. 16w + 15`` of ``K_j, V_j``.  Because its
+   rows are keys, every product below comes out *transposed*, with keys as the
+   rows of the accumulator — and the accumulator layout of ``Pᵀ`` and ``dSᵀ``
+   is the A-fragment layout of the next products once packed to 16 bits
+   (FlashAttention-2's register reuse), so no value crosses lanes.
+
+   ``cp.async`` K_j, V_j and the first Q_i, dO_i into shared memory; with
+   ``kv_in_registers`` each warp then keeps its rows of K_j and V_j as A
+   fragments for the whole loop (else it re-reads them with ``ldmatrix``).  For
+   each query tile ``i`` that sees some key of the tile (:func:`~nbflash.masking.query_range`):
+
+   a. start the copy of Q_{i+1}, dO_{i+1} (and store their lse2, D) into the
+      other buffer, then wait for tile i — loads overlap the maths;
+   b. ``Sᵀ = K_j Q_iᵀ`` (16 × BLOCK_M per warp): A = K fragments, B = Q rows
+      by ``ldmatrix`` (no transpose), as K in the forward's ``S = Q Kᵀ``;
+   c. ``Pᵀ = exp2(Sᵀ · scale · log2 e − lse2_col)``: value i of a thread's
+      8-column tile n is key ``g + 8(i >> 1)``, query ``8n + 2t + (i & 1)``, so
+      lse2 is per *column*; invisible pairs set to 0 (:mod:`nbflash.masking`);
+   d. ``dPᵀ = V_j dO_iᵀ`` like b, and ``dSᵀ = Pᵀ ∘ (dPᵀ − D_col)``;
+   e. ``dV_j += Pᵀ dO_i``: A = Pᵀ packed from the accumulator, B = dO_i by
+      ``ldmatrix.trans`` (as V in the forward's ``O += P V``);
+   f. ``dK_j += dSᵀ Q_i``: A = dSᵀ packed, B = Q_i by ``ldmatrix.trans``;
+   g. *atomic variant:* the packed dSᵀ also goes to a shared ``[key][query]``
+      tile; after a barrier the warps split the ``BLOCK_M × D`` block of
+      ``dQ_i += dS K_j`` (A = dS by ``ldmatrix.trans`` of that tile, B = K_j by
+      ``ldmatrix.trans``) and add it into the float32 accumulator with
+      ``atomic.add`` — the order of the additions changes from run to run.
+
+   Finally ``dK_j · scale`` and ``dV_j`` are written once.
+
+2. **dQ**, deterministic variant (grid: query tiles × heads × batch; the same
+   warps, now each owning 16 *queries*).  Q_i and dO_i stay as A fragments;
+   K_j, V_j stream past, double-buffered.  Per key tile: ``S = Q_i K_jᵀ``,
+   ``P = exp2(S · scale · log2 e − lse2_row)`` (masked), ``dP = dO_i V_jᵀ``
+   (B = V rows, no transpose), ``dS = P ∘ (dP − D_row)``, ``dQ_i += dS K_j``
+   (A = dS packed, B = K_j by ``ldmatrix.trans``).  ``dQ_i · scale`` written once.
+
+2'. **Convert**, atomic variant — the SIMT kernel of :mod:`nbflash.backward`:
+   ``dq = accumulator · scale`` in the output type.
+
+Constraints (:func:`can_implement`): ``D`` a multiple of 16 up to 128; any
+``N_q, N_k ≥ 1`` (ragged tails are zero-filled by ``cp.async``; causal is
+bottom-right aligned); q, k, v, do contiguous along ``D`` with 16-byte aligned
+rows.  Shared memory per block (:func:`shared_bytes`), every row padded by 8
+elements (16 bytes) so that ``ldmatrix``'s eight row addresses fall in
+different banks::
+
+    dK/dV:  K_j, V_j     2 × BLOCK_N × (D + 8)                   2 bytes each
+            Q_i, dO_i    2 × 2 buffers × BLOCK_M × (D + 8)
+            lse2, D      2 × 2 buffers × BLOCK_M                 4 bytes each
+            dSᵀ          BLOCK_N × (BLOCK_M + 8)                 atomic variant only
+    dQ:     Q_i, dO_i    2 × BLOCK_N × (D + 8)                   (the dQ kernel's query tile is BLOCK_N)
+            K_j, V_j     2 × 2 buffers × BLOCK_M × (D + 8)
+
+    D=64 (64 × 64 tiles):           dK/dV 56 320 bytes (atomic 65 536), dQ 55 296
+    D=128 (64 keys × 32 queries):   dK/dV 70 144 bytes (atomic 75 264), dQ 69 632
+
+Status: correct in the Numba simulator (tests/test_backward_tc.py) and
+compiles for sm_80/sm_90 with no local memory; ptxas reports 225-255
+registers for dK/dV and 166 (D=64) / 238 (D=128) for dQ, no spills except
+the D=128 bfloat16 dK/dV kernels (16-144 bytes: the 128 float32 accumulators
+of dK_j, dV_j leave it a few registers short).  Not yet run or measured on a
+GPU, and not wired into :func:`nbflash.attention_backward`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import backward as bw
+from . import intrinsics as I
+from ._device import SIMULATOR, cuda, device_function, kernel, launch, max_shared_per_block, numba
+from ._tiles import LOG2E, make_storer
+from ._validate import array_module
+from .masking import d_key_range, d_query_range, d_row_key_end, d_tile_needs_mask
+
+__all__ = [
+    "TCBackwardConfig",
+    "can_implement",
+    "choose_config",
+    "compile_targets",
+    "dkdv_tc_kernel",
+    "dq_tc_kernel",
+    "kernel_signature",
+    "launch_backward_tc",
+    "shared_bytes",
+]
+
+KERNELS = ("dkdv", "dkdv_atomic", "dq")
+
+
+@dataclass(frozen=True)
+class TCBackwardConfig:
+    """Compile-time constants of the tensor-core backward kernels.
+
+    Both kernels keep ``block_n`` rows stationary (16 per warp) and stream tiles
+    of ``block_m`` rows past them: keys stay and queries stream in the dK/dV
+    kernel; in the deterministic dQ kernel the roles swap (``block_n`` queries
+    stay, ``block_m`` keys stream), so both kernels have the same warps and
+    similar registers per warp.
+    """
+
+    block_m: int  # dK/dV kernel: queries per streamed Q_i, dO_i tile (dQ kernel: keys per K_j, V_j tile)
+    block_n: int  # dK/dV kernel: keys per block, 16 per warp (dQ kernel: queries per block)
+    head_dim: int  # D, a multiple of 16
+    input_kind: str  # "float16" or "bfloat16"
+    kv_in_registers: bool = True  # dK/dV: keep the warp's K_j, V_j A-fragments in registers (else re-ldmatrix)
+
+    def __post_init__(self):
+        if self.block_n not in (16, 32, 64, 128):
+            raise ValueError(f"block_n must be 16, 32, 64 or 128 (16 rows per warp), got {self.block_n}")
+        if self.block_m <= 0 or self.block_m % 16:
+            raise ValueError(f"block_m must be a positive multiple of 16, got {self.block_m}")
+        if self.head_dim <= 0 or self.head_dim % 16 or self.head_dim > 128:
+            raise ValueError(f"head_dim must be a multiple of 16 up to 128, got {self.head_dim}")
+        if self.input_kind not in ("float16", "bfloat16"):
+            raise ValueError(f"input_kind must be 'float16' or 'bfloat16', got {self.input_kind!r}")
+
+    @property
+    def warps(self) -> int:
+        return self.block_n // 16
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def pitch(self) -> int:
+        """Row pitch of the Q, K, V, dO tiles (elements): D plus one 16-byte chunk against bank conflicts."""
+        return self.head_dim + 8
+
+    @property
+    def ds_pitch(self) -> int:
+        """Row pitch of the dSᵀ tile (elements): BLOCK_M queries plus 8."""
+        return self.block_m + 8
+
+
+def shared_offsets(cfg: TCBackwardConfig, name: str) -> dict[str, int]:
+    """Offsets of kernel ``name``'s tiles in its dynamic shared memory, in 16-bit elements; ``end`` is the size.
+
+    A second buffer of a double-buffered tile starts one tile after the first.
+    """
+    P = cfg.pitch
+    offs = {}
+    end = 0
+
+    def put(tile, elements):
+        nonlocal end
+        offs[tile] = end
+        end += elements
+
+    if name in ("dkdv", "dkdv_atomic"):
+        put("k", cfg.block_n * P)  # K_j: the block's keys, for the whole kernel
+        put("v", cfg.block_n * P)  # V_j
+        put("q", 2 * cfg.block_m * P)  # Q_i: two buffers
+        put("do", 2 * cfg.block_m * P)  # dO_i: two buffers
+        put("lse2", 2 * cfg.block_m * 2)  # lse2 of Q_i's queries: two buffers of float32
+        put("delta", 2 * cfg.block_m * 2)  # D of Q_i's queries: two buffers of float32
+        if name == "dkdv_atomic":
+            put("ds", cfg.block_n * cfg.ds_pitch)  # dSᵀ [key][query], 16-bit, for dQ_i += dS K_j
+    elif name == "dq":
+        put("q", cfg.block_n * P)  # Q_i: the block's queries
+        put("do", cfg.block_n * P)  # dO_i
+        put("k", 2 * cfg.block_m * P)  # K_j: two buffers
+        put("v", 2 * cfg.block_m * P)  # V_j: two buffers
+    else:
+        raise ValueError(f"unknown kernel {name!r}; expected one of {KERNELS}")
+    offs["end"] = end
+    return offs
+
+
+def shared_bytes(cfg: TCBackwardConfig, name: str = "dkdv_atomic") -> int:
+    """Dynamic shared memory of one block of kernel ``name`` (bytes)."""
+    return shared_offsets(cfg, name)["end"] * 2
+
+
+# ----------------------------------------------------------------------------
+# Device building blocks shared by the two kernels
+# ----------------------------------------------------------------------------
+
+
+def _make_tile_copier(rows: int, cfg: TCBackwardConfig):
+    """``copy(smem, offset, src, b, h, start, seqlen, tid)``: ``cp.async`` rows ``[start, start + rows)``
+    of ``src[b, h]`` to ``smem[offset + r·PITCH]``, rows past ``seqlen`` zero-filled.
+
+    Each thread copies the 16-byte chunks ``tid, tid + THREADS, ...`` of the
+    tile: a loop of constant trip count (unrolled), in unsigned arithmetic so
+    that ``//`` and ``%`` by the power-of-two chunk count are shifts and masks
+    (as in :mod:`nbflash.forward_tc`).
+    """
+    chunks = cfg.head_dim // 8  # 16-byte chunks per row
+    ITERS = -(-rows * chunks // cfg.threads)
+    EXACT = rows * chunks % cfg.threads == 0
+    U_CHUNKS, U_PITCH, U_THREADS, U_TOTAL = (np.uint64(x) for x in (chunks, cfg.pitch, cfg.threads, rows * chunks))
+    u64 = numba.uint64
+
+    def copy_tile(smem, offset, src, b, h, start, seqlen, tid):
+        for it in range(ITERS):
+            c = u64(tid) + u64(it) * U_THREADS
+            if EXACT or c < U_TOTAL:
+                r = c // U_CHUNKS
+                col = (c % U_CHUNKS) * u64(8)
+                row = u64(start) + r
+                nbytes = 16 if row < u64(seqlen) else 0
+                row = min(row, u64(seqlen - 1))  # a valid address even when nothing is read
+                I.cp_async_16(smem, u64(offset) + r * U_PITCH + col, src, (b, h, row, col), nbytes)
+
+    return device_function(copy_tile)
+
+
+def _make_fragment_ops(input_kind: str):
+    """Two device functions on accumulator arrays ``acc[tile, 0..3]`` (one 16×8 tile per row of ``acc``).
+
+    * ``mma_into(acc, n, a0, a1, a2, a3, b0, b1)``: ``acc[n] += A·B`` (one ``mma.m16n8k16``);
+    * ``pack_pair(acc, n, i)``: ``acc[n, i]``, ``acc[n, i + 1]`` — one row, two adjacent columns —
+      rounded to 16 bits and packed into one A-fragment register.
+    """
+    if input_kind == "float16":
+        mma, pack = I.mma_m16n8k16_f16, I.pack_f16x2
+    else:
+        mma, pack = I.mma_m16n8k16_bf16, I.pack_bf16x2
+
+    def mma_into(acc, n, a0, a1, a2, a3, b0, b1):
+        d = mma(a0, a1, a2, a3, b0, b1, acc[n, 0], acc[n, 1], acc[n, 2], acc[n, 3])
+        for i in range(4):
+            acc[n, i] = d[i]
+
+    def pack_pair(acc, n, i):
+        return pack(acc[n, i], acc[n, i + 1])
+
+    return device_function(mma_into), device_function(pack_pair)
+
+
+# ----------------------------------------------------------------------------
+# Step 1: dK_j, dV_j (and, atomically, dQ), parallel over key tiles
+# ----------------------------------------------------------------------------
+
+
+@functools.cache
+def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
+    """The compiled dK/dV kernel (step 1) for one configuration (cached); ``atomic_dq`` adds step 1g."""
+    BLOCK_M, BLOCK_N, D = cfg.block_m, cfg.block_n, cfg.head_dim
+    THREADS, WARPS, PITCH, DS_PITCH = cfg.threads, cfg.warps, cfg.pitch, cfg.ds_pitch
+    KV_IN_REGS, ATOMIC_DQ = cfg.kv_in_registers, atomic_dq
+    off = shared_offsets(cfg, "dkdv_atomic" if atomic_dq else "dkdv")
+    K_OFF, V_OFF, Q_OFF, DO_OFF, DS_OFF = off["k"], off["v"], off["q"], off["do"], off.get("ds", 0)
+    QD_STRIDE = BLOCK_M * PITCH  # elements from one Q (or dO) buffer to the other
+    LSE_F, DELTA_F = off["lse2"] // 2, off["delta"] // 2  # float32 offsets of the lse2 and D buffers
+    K_STEPS = D // 16  # k-steps of Sᵀ = K Qᵀ and dPᵀ = V dOᵀ
+    Q_TILES = BLOCK_M // 8  # 8-query column tiles of Sᵀ, dPᵀ
+    D_TILES = D // 8  # 8-wide column tiles of dK, dV
+    M_STEPS = BLOCK_M // 16  # k-steps of dV += Pᵀ dO, dK += dSᵀ Q
+    N_STEPS = BLOCK_N // 16  # k-steps of dQ += dS K
+    # Step 1g: the BLOCK_M × D block of dQ_i is cut into units of 16 queries × DQ_CHUNK columns,
+    # dealt round-robin to the warps (wide enough that every warp has one where the tiles allow).
+    DQ_CHUNK = max(16, D // max(1, WARPS // M_STEPS))
+    while D % DQ_CHUNK:
+        DQ_CHUNK -= 16
+    DQ_CHUNKS = D // DQ_CHUNK
+    DQ_TILES = DQ_CHUNK // 8  # 8-wide column tiles of one unit
+    DQ_UNITS = M_STEPS * DQ_CHUNKS
+    DQ_ROUNDS = -(-DQ_UNITS // WARPS)
+    DQ_EVEN = DQ_UNITS % WARPS == 0
+    ZERO = numba.float32(0)
+    INF = numba.float32(math.inf)
+    u64 = numba.uint64
+    SMEM_ALIGN = None if SIMULATOR else 16
+    mma_into, pack_pair = _make_fragment_ops(cfg.input_kind)
+    to_out = make_storer(cfg.input_kind)
+    copy_kv = _make_tile_copier(BLOCK_N, cfg)
+    copy_q = _make_tile_copier(BLOCK_M, cfg)
+
+    @kernel(fastmath=True)
+    def flash_backward_dkdv_tc(q, k, v, do, lse2, delta, dk, dv, dq_accum, qk_scale_log2, scale, causal):
+        """One block: dK_j and dV_j for BLOCK_N keys of one (batch, head)."""
+        seqlen_q = q.shape[2]
+        seqlen_k = k.shape[2]
+        k_start = cuda.blockIdx.x * BLOCK_N  # the first key tiles have the most causal queries: they start first
+        h = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4  # this thread's rows of every fragment: keys g and g + 8 of the warp ...
+        t = lane % 4  # ... and columns 2t, 2t + 1 of every 8-column tile
+        # One block of dynamic shared memory, seen three ways: 16-bit tiles, packed pairs of dSᵀ, float32 lse2/D.
+        smem = cuda.shared.array(0, numba.uint16, alignment=SMEM_ALIGN)
+        smem32 = cuda.shared.array(0, numba.uint32, alignment=SMEM_ALIGN)
+        smem_f = cuda.shared.array(0, numba.float32, alignment=SMEM_ALIGN)
+
+        kf = cuda.local.array((K_STEPS, 4), numba.uint32)  # K_j A-fragments (kv_in_registers)
+        vf = cuda.local.array((K_STEPS, 4), numba.uint32)  # V_j A-fragments (kv_in_registers)
+        S = cuda.local.array((Q_TILES, 4), numba.float32)  # Sᵀ, then Pᵀ
+        dP = cuda.local.array((Q_TILES, 4), numba.float32)  # dPᵀ, then dSᵀ
+        dK = cuda.local.array((D_TILES, 4), numba.float32)
+        dV = cuda.local.array((D_TILES, 4), numba.float32)
+        dQ = cuda.local.array((DQ_TILES, 4), numba.float32)  # step 1g: one unit of dQ_i
+        for n in range(D_TILES):
+            for i in range(4):
+                dK[n, i] = ZERO
+                dV[n, i] = ZERO
+        scale_log2 = numba.float32(qk_scale_log2)
+
+        # ldmatrix addresses of this lane inside a 16×16 tile (see nbflash.intrinsics).
+        a_row, a_col = I.d_ldmatrix_x4_a_address(lane)  # K, V rows (A); dO, Q, K rows (.trans → B)
+        bt_row, bt_col = I.d_ldmatrix_x4_bt_address(lane)  # Q, dO rows (→ B of Sᵀ, dPᵀ); dSᵀ (.trans → A)
+        k_row = K_OFF + (16 * warp + a_row) * PITCH + a_col  # this lane's address in the warp's K rows
+        v_row = V_OFF + (16 * warp + a_row) * PITCH + a_col
+
+        # Step 1: K_j, V_j and the first Q_i, dO_i, one cp.async group; lse2, D of tile i to shared.
+        q_begin, q_end = d_query_range(k_start, BLOCK_N, seqlen_q, seqlen_k, causal)
+        i_first = q_begin // BLOCK_M
+        n_tiles = (q_end + BLOCK_M - 1) // BLOCK_M - i_first
+        if n_tiles > 0:
+            copy_kv(smem, K_OFF, k, b, h, k_start, seqlen_k, tid)
+            copy_kv(smem, V_OFF, v, b, h, k_start, seqlen_k, tid)
+            copy_q(smem, Q_OFF, q, b, h, i_first * BLOCK_M, seqlen_q, tid)
+            copy_q(smem, DO_OFF, do, b, h, i_first * BLOCK_M, seqlen_q, tid)
+            for c in range(tid, BLOCK_M, THREADS):
+                row = i_first * BLOCK_M + c
+                smem_f[LSE_F + c] = lse2[b, h, row] if row < seqlen_q else INF
+                smem_f[DELTA_F + c] = delta[b, h, row] if row < seqlen_q else ZERO
+        I.cp_async_commit()
+
+        for it in range(n_tiles):
+            q_start = (i_first + it) * BLOCK_M
+            buf = it % 2
+            # Step 1a: prefetch Q_{i+1}, dO_{i+1} (and their lse2, D) into the other buffer; wait for tile i.
+            if it + 1 < n_tiles:
+                nxt = 1 - buf
+                copy_q(smem, Q_OFF + nxt * QD_STRIDE, q, b, h, q_start + BLOCK_M, seqlen_q, tid)
+                copy_q(smem, DO_OFF + nxt * QD_STRIDE, do, b, h, q_start + BLOCK_M, seqlen_q, tid)
+                for c in range(tid, BLOCK_M, THREADS):
+                    row = q_start + BLOCK_M + c
+                    smem_f[LSE_F + nxt * BLOCK_M + c] = lse2[b, h, row] if row < seqlen_q else INF
+                    smem_f[DELTA_F + nxt * BLOCK_M + c] = delta[b, h, row] if row < seqlen_q else ZERO
+            I.cp_async_commit()  # possibly empty: keeps "wait for all but the newest group" uniform
+            I.cp_async_wait(1)
+            cuda.syncthreads()  # every thread's copies of tile i (and K_j, V_j) and its lse2, D are visible
+
+            # The warp's 16 rows of K_j and V_j into registers, once.
+            if KV_IN_REGS and it == 0:
+                for kk in range(K_STEPS):
+                    fk = I.ldmatrix_x4(smem, k_row + 16 * kk)
+                    fv = I.ldmatrix_x4(smem, v_row + 16 * kk)
+                    for i in range(4):
+                        kf[kk, i] = fk[i]
+                        vf[kk, i] = fv[i]
+
+            # Step 1b: Sᵀ = K_j Q_iᵀ (16 keys × BLOCK_M queries per warp); 1d's dPᵀ = V_j dO_iᵀ likewise.
+            # Two loop nests, not one: NVVM unrolls each of them fully (a fused one it would not).
+            q_base = Q_OFF + buf * QD_STRIDE
+            do_base = DO_OFF + buf * QD_STRIDE
+            for n in range(Q_TILES):
+                for i in range(4):
+                    S[n, i] = ZERO
+                    dP[n, i] = ZERO
+            for kk in range(K_STEPS):
+                if KV_IN_REGS:
+                    a0, a1, a2, a3 = kf[kk, 0], kf[kk, 1], kf[kk, 2], kf[kk, 3]
+                else:
+                    a0, a1, a2, a3 = I.ldmatrix_x4(smem, k_row + 16 * kk)
+                for n2 in range(M_STEPS):
+                    qb = I.ldmatrix_x4(smem, q_base + (16 * n2 + bt_row) * PITCH + 16 * kk + bt_col)
+                    for half in range(2):
+                        mma_into(S, 2 * n2 + half, a0, a1, a2, a3, qb[2 * half], qb[2 * half + 1])
+            for kk in range(K_STEPS):
+                if KV_IN_REGS:
+                    a0, a1, a2, a3 = vf[kk, 0], vf[kk, 1], vf[kk, 2], vf[kk, 3]
+                else:
+                    a0, a1, a2, a3 = I.ldmatrix_x4(smem, v_row + 16 * kk)
+                for n2 in range(M_STEPS):
+                    ob = I.ldmatrix_x4(smem, do_base + (16 * n2 + bt_row) * PITCH + 16 * kk + bt_col)
+                    for half in range(2):
+                        mma_into(dP, 2 * n2 + half, a0, a1, a2, a3, ob[2 * half], ob[2 * half + 1])
+
+            # Step 1c: Pᵀ = exp2(Sᵀ · scale · log2 e − lse2_col).  Value i of tile n: key g + 8(i >> 1),
+            # query 8n + 2t + (i & 1).  Step 1d: dSᵀ = Pᵀ ∘ (dPᵀ − D_col), kept in dP.
+            lse_base = u64(LSE_F + buf * BLOCK_M + 2 * t)
+            delta_base = u64(DELTA_F + buf * BLOCK_M + 2 * t)
+            for n in range(Q_TILES):
+                for c in range(2):
+                    lse2_c = smem_f[lse_base + u64(8 * n + c)]
+                    for r in range(2):
+                        S[n, 2 * r + c] = I.ex2_approx(S[n, 2 * r + c] * scale_log2 - lse2_c)
+            if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
+                for n in range(Q_TILES):
+                    for c in range(2):
+                        key_end = d_row_key_end(q_start + 8 * n + 2 * t + c, seqlen_q, seqlen_k, causal)
+                        for r in range(2):
+                            if k_start + 16 * warp + g + 8 * r >= key_end:  # past a ragged end, or above the diagonal
+                                S[n, 2 * r + c] = ZERO
+            for n in range(Q_TILES):
+                for c in range(2):
+                    delta_c = smem_f[delta_base + u64(8 * n + c)]
+                    for r in range(2):
+                        dP[n, 2 * r + c] = S[n, 2 * r + c] * (dP[n, 2 * r + c] - delta_c)
+
+            # Step 1e: dV_j += Pᵀ dO_i.  The A-fragment of queries 16kk .. 16kk + 15 is accumulator
+            # tiles 2kk, 2kk + 1 packed (rows g, g + 8; columns 2t, 2t + 1).
+            for kk in range(M_STEPS):
+                pa0 = pack_pair(S, 2 * kk, 0)  # key g,     queries 2t, 2t + 1
+                pa1 = pack_pair(S, 2 * kk, 2)  # key g + 8, queries 2t, 2t + 1
+                pa2 = pack_pair(S, 2 * kk + 1, 0)  # key g,     queries 8 + 2t, 8 + 2t + 1
+                pa3 = pack_pair(S, 2 * kk + 1, 2)  # key g + 8, queries 8 + 2t, 8 + 2t + 1
+                for d2 in range(D_TILES // 2):
+                    ob = I.ldmatrix_x4_trans(smem, do_base + (16 * kk + a_row) * PITCH + 16 * d2 + a_col)
+                    for half in range(2):
+                        mma_into(dV, 2 * d2 + half, pa0, pa1, pa2, pa3, ob[2 * half], ob[2 * half + 1])
+            # Step 1f: dK_j += dSᵀ Q_i, dSᵀ packed the same way.
+            for kk in range(M_STEPS):
+                sa0 = pack_pair(dP, 2 * kk, 0)
+                sa1 = pack_pair(dP, 2 * kk, 2)
+                sa2 = pack_pair(dP, 2 * kk + 1, 0)
+                sa3 = pack_pair(dP, 2 * kk + 1, 2)
+                for d2 in range(D_TILES // 2):
+                    qb = I.ldmatrix_x4_trans(smem, q_base + (16 * kk + a_row) * PITCH + 16 * d2 + a_col)
+                    for half in range(2):
+                        mma_into(dK, 2 * d2 + half, sa0, sa1, sa2, sa3, qb[2 * half], qb[2 * half + 1])
+                if ATOMIC_DQ:  # the same packed dSᵀ registers, to the shared [key][query] tile (32-bit stores)
+                    ds_row = u64(DS_OFF + (16 * warp + g) * DS_PITCH + 16 * kk + 2 * t) // u64(2)
+                    smem32[ds_row] = sa0
+                    smem32[ds_row + u64(4 * DS_PITCH)] = sa1  # 8 rows down: 8 · DS_PITCH / 2 words
+                    smem32[ds_row + u64(4)] = sa2  # 8 columns right: 4 words
+                    smem32[ds_row + u64(4 * DS_PITCH + 4)] = sa3
+
+            if ATOMIC_DQ:
+                cuda.syncthreads()  # step 1g reads whole columns of dSᵀ, written by every warp
+                # Step 1g: dQ_i += dS K_j, one unit of 16 queries × DQ_CHUNK columns at a time.
+                for rnd in range(DQ_ROUNDS):
+                    unit = warp + WARPS * rnd
+                    if DQ_EVEN or unit < DQ_UNITS:  # the same for the whole warp: mma stays converged
+                        mt = unit // DQ_CHUNKS  # the unit's 16 queries: 16mt ..
+                        d0 = (unit % DQ_CHUNKS) * DQ_CHUNK  # ... and its columns d0 ..
+                        for n in range(DQ_TILES):
+                            for i in range(4):
+                                dQ[n, i] = ZERO
+                        for kk in range(N_STEPS):
+                            # dS = (dSᵀ)ᵀ: ldmatrix.trans of the [key][query] tile gives the A-fragment.
+                            sa = I.ldmatrix_x4_trans(smem, DS_OFF + (16 * kk + bt_row) * DS_PITCH + 16 * mt + bt_col)
+                            for d2 in range(DQ_TILES // 2):
+                                kb = I.ldmatrix_x4_trans(smem, K_OFF + (16 * kk + a_row) * PITCH + d0 + 16 * d2 + a_col)
+                                for half in range(2):
+                                    mma_into(
+                                        dQ, 2 * d2 + half, sa[0], sa[1], sa[2], sa[3], kb[2 * half], kb[2 * half + 1]
+                                    )
+                        for r in range(2):
+                            row = q_start + 16 * mt + g + 8 * r
+                            if row < seqlen_q:
+                                for n in range(DQ_TILES):
+                                    for c in range(2):
+                                        col = d0 + 8 * n + 2 * t + c
+                                        cuda.atomic.add(dq_accum, (b, h, u64(row), u64(col)), dQ[n, 2 * r + c])
+            cuda.syncthreads()  # everyone is done with buffer `buf` (and dSᵀ) before iteration i + 1 refills it
+
+        I.cp_async_wait_all()  # nothing left in flight (also when no query tile sees these keys)
+
+        # dK_j · scale and dV_j, written once.
+        sc = numba.float32(scale)
+        for r in range(2):
+            key = k_start + 16 * warp + g + 8 * r
+            if key < seqlen_k:
+                for n in range(D_TILES):
+                    for c in range(2):
+                        col = 8 * n + 2 * t + c
+                        dk[b, h, key, col] = to_out(dK[n, 2 * r + c] * sc)
+                        dv[b, h, key, col] = to_out(dV[n, 2 * r + c])
+
+    return flash_backward_dkdv_tc
+
+
+# ----------------------------------------------------------------------------
+# Step 2: dQ_i, parallel over query tiles (deterministic: no atomics)
+# ----------------------------------------------------------------------------
+
+
+@functools.cache
+def dq_tc_kernel(cfg: TCBackwardConfig):
+    """The compiled deterministic dQ kernel (step 2) for one configuration (cached).
+
+    Its query tile is ``cfg.block_n`` rows (16 per warp, as the key tile of the
+    dK/dV kernel) and its key tiles ``cfg.block_m`` rows.
+    """
+    BLOCK_M, BLOCK_N, D = cfg.block_n, cfg.block_m, cfg.head_dim  # queries per block, keys per K_j tile
+    PITCH = cfg.pitch
+    off = shared_offsets(cfg, "dq")
+    Q_OFF, DO_OFF, K_OFF, V_OFF = off["q"], off["do"], off["k"], off["v"]
+    KV_STRIDE = BLOCK_N * PITCH  # elements from one K (or V) buffer to the other
+    K_STEPS = D // 16  # k-steps of S = Q Kᵀ and dP = dO Vᵀ
+    N_TILES = BLOCK_N // 8  # 8-key column tiles of S, dP
+    D_TILES = D // 8  # 8-wide column tiles of dQ
+    N_STEPS = BLOCK_N // 16  # k-steps of dQ += dS K
+    ZERO = numba.float32(0)
+    SMEM_ALIGN = None if SIMULATOR else 16
+    mma_into, pack_pair = _make_fragment_ops(cfg.input_kind)
+    to_out = make_storer(cfg.input_kind)
+    copy_q = _make_tile_copier(BLOCK_M, cfg)
+    copy_kv = _make_tile_copier(BLOCK_N, cfg)
+
+    @kernel(fastmath=True)
+    def flash_backward_dq_tc(q, k, v, do, lse2, delta, dq, qk_scale_log2, scale, causal):
+        """One block: dQ_i for BLOCK_M (= cfg.block_n) queries of one (batch, head)."""
+        seqlen_q = q.shape[2]
+        seqlen_k = k.shape[2]
+        q_start = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BLOCK_M  # longest causal rows first
+        h = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4  # this thread's rows of every fragment: queries g and g + 8 of the warp ...
+        t = lane % 4  # ... and columns 2t, 2t + 1 of every 8-column tile
+        smem = cuda.shared.array(0, numba.uint16, alignment=SMEM_ALIGN)
+
+        qf = cuda.local.array((K_STEPS, 4), numba.uint32)  # Q_i A-fragments, one set per k-step
+        of = cuda.local.array((K_STEPS, 4), numba.uint32)  # dO_i A-fragments
+        S = cuda.local.array((N_TILES, 4), numba.float32)  # S, then P
+        dP = cuda.local.array((N_TILES, 4), numba.float32)  # dP, then dS
+        dQ = cuda.local.array((D_TILES, 4), numba.float32)
+        lse2_r = cuda.local.array(2, numba.float32)  # rows g, g + 8: lse2_i ...
+        delta_r = cuda.local.array(2, numba.float32)  # ... D_i ...
+        key_end = cuda.local.array(2, numba.int64)  # ... and the row sees keys [0, key_end)
+        for r in range(2):
+            row = q_start + 16 * warp + g + 8 * r
+            key_end[r] = d_row_key_end(row, seqlen_q, seqlen_k, causal)
+            lse2_r[r] = lse2[b, h, row] if row < seqlen_q else ZERO  # rows past the end are masked anyway
+            delta_r[r] = delta[b, h, row] if row < seqlen_q else ZERO
+        for n in range(D_TILES):
+            for i in range(4):
+                dQ[n, i] = ZERO
+        scale_log2 = numba.float32(qk_scale_log2)
+
+        # Q_i, dO_i and the first K_j, V_j: one cp.async group.
+        _, k_end = d_key_range(q_start, BLOCK_M, seqlen_q, seqlen_k, causal)
+        n_tiles = (k_end + BLOCK_N - 1) // BLOCK_N
+        copy_q(smem, Q_OFF, q, b, h, q_start, seqlen_q, tid)
+        copy_q(smem, DO_OFF, do, b, h, q_start, seqlen_q, tid)
+        if n_tiles > 0:
+            copy_kv(smem, K_OFF, k, b, h, 0, seqlen_k, tid)
+            copy_kv(smem, V_OFF, v, b, h, 0, seqlen_k, tid)
+        I.cp_async_commit()
+
+        a_row, a_col = I.d_ldmatrix_x4_a_address(lane)  # Q, dO rows (A); K rows (.trans → B of dS K)
+        bt_row, bt_col = I.d_ldmatrix_x4_bt_address(lane)  # K, V rows (→ B of S = Q Kᵀ, dP = dO Vᵀ)
+
+        for j in range(n_tiles):
+            k_start = j * BLOCK_N
+            buf = j % 2
+            # Prefetch K_{j+1}, V_{j+1} into the other buffer, then wait for tile j.
+            if j + 1 < n_tiles:
+                copy_kv(smem, K_OFF + (1 - buf) * KV_STRIDE, k, b, h, k_start + BLOCK_N, seqlen_k, tid)
+                copy_kv(smem, V_OFF + (1 - buf) * KV_STRIDE, v, b, h, k_start + BLOCK_N, seqlen_k, tid)
+            I.cp_async_commit()  # possibly empty: keeps "wait for all but the newest group" uniform
+            I.cp_async_wait(1)
+            cuda.syncthreads()  # every thread's copies of tile j (and Q_i, dO_i) are visible
+
+            # The warp's 16 rows of Q_i and dO_i into registers, once.
+            if j == 0:
+                for kk in range(K_STEPS):
+                    fq = I.ldmatrix_x4(smem, Q_OFF + (16 * warp + a_row) * PITCH + 16 * kk + a_col)
+                    fo = I.ldmatrix_x4(smem, DO_OFF + (16 * warp + a_row) * PITCH + 16 * kk + a_col)
+                    for i in range(4):
+                        qf[kk, i] = fq[i]
+                        of[kk, i] = fo[i]
+
+            # S = Q_i K_jᵀ and dP = dO_i V_jᵀ (16 queries × BLOCK_N keys per warp).
+            k_base = K_OFF + buf * KV_STRIDE
+            v_base = V_OFF + buf * KV_STRIDE
+            for n in range(N_TILES):
+                for i in range(4):
+                    S[n, i] = ZERO
+                    dP[n, i] = ZERO
+            for n2 in range(N_TILES // 2):  # two loop nests, not one: NVVM unrolls each of them fully
+                for kk in range(K_STEPS):
+                    kb = I.ldmatrix_x4(smem, k_base + (16 * n2 + bt_row) * PITCH + 16 * kk + bt_col)
+                    for half in range(2):
+                        mma_into(
+                            S, 2 * n2 + half, qf[kk, 0], qf[kk, 1], qf[kk, 2], qf[kk, 3], kb[2 * half], kb[2 * half + 1]
+                        )
+            for n2 in range(N_TILES // 2):
+                for kk in range(K_STEPS):
+                    vb = I.ldmatrix_x4(smem, v_base + (16 * n2 + bt_row) * PITCH + 16 * kk + bt_col)
+                    for half in range(2):
+                        mma_into(
+                            dP,
+                            2 * n2 + half,
+                            of[kk, 0],
+                            of[kk, 1],
+                            of[kk, 2],
+                            of[kk, 3],
+                            vb[2 * half],
+                            vb[2 * half + 1],
+                        )
+
+            # P = exp2(S · scale · log2 e − lse2_row), invisible pairs 0; dS = P ∘ (dP − D_row), kept in dP.
+            # Value i of tile n: query g + 8(i >> 1), key 8n + 2t + (i & 1).
+            for r in range(2):
+                for n in range(N_TILES):
+                    for c in range(2):
+                        S[n, 2 * r + c] = I.ex2_approx(S[n, 2 * r + c] * scale_log2 - lse2_r[r])
+            if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
+                for r in range(2):
+                    first_hidden = key_end[r] - k_start - 2 * t  # tile-local: key 8n + c hidden iff ≥ this
+                    for n in range(N_TILES):
+                        for c in range(2):
+                            if 8 * n + c >= first_hidden:  # past the ragged end, or above the diagonal
+                                S[n, 2 * r + c] = ZERO
+            for r in range(2):
+                for n in range(N_TILES):
+                    for c in range(2):
+                        dP[n, 2 * r + c] = S[n, 2 * r + c] * (dP[n, 2 * r + c] - delta_r[r])
+
+            # dQ_i += dS K_j: dS's A-fragment for keys 16kk .. 16kk + 15 is tiles 2kk, 2kk + 1 packed.
+            for kk in range(N_STEPS):
+                sa0 = pack_pair(dP, 2 * kk, 0)  # query g,     keys 2t, 2t + 1
+                sa1 = pack_pair(dP, 2 * kk, 2)  # query g + 8, keys 2t, 2t + 1
+                sa2 = pack_pair(dP, 2 * kk + 1, 0)  # query g,     keys 8 + 2t, 8 + 2t + 1
+                sa3 = pack_pair(dP, 2 * kk + 1, 2)  # query g + 8, keys 8 + 2t, 8 + 2t + 1
+                for d2 in range(D_TILES // 2):
+                    kb = I.ldmatrix_x4_trans(smem, k_base + (16 * kk + a_row) * PITCH + 16 * d2 + a_col)
+                    for half in range(2):
+                        mma_into(dQ, 2 * d2 + half, sa0, sa1, sa2, sa3, kb[2 * half], kb[2 * half + 1])
+            cuda.syncthreads()  # everyone is done with buffer `buf` before iteration j + 1 refills it
+
+        I.cp_async_wait_all()  # nothing left in flight (only Q_i's group when no key tile was visible)
+
+        # dQ_i · scale, written once.  A row that sees no key keeps dQ_i = 0.
+        sc = numba.float32(scale)
+        for r in range(2):
+            row = q_start + 16 * warp + g + 8 * r
+            if row < seqlen_q:
+                for n in range(D_TILES):
+                    for c in range(2):
+                        dq[b, h, row, 8 * n + 2 * t + c] = to_out(dQ[n, 2 * r + c] * sc)
+
+    return flash_backward_dq_tc
+
+
+# ----------------------------------------------------------------------------
+# Configuration and launch
+# ----------------------------------------------------------------------------
+
+
+def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR) -> TCBackwardConfig:
+    """A starting configuration (not yet tuned on a GPU): 4 warps, 64 stationary rows.
+
+    ================  ===================================  ==========================================
+    head dim          dK/dV: keys × queries per tile        registers per warp row (fp32 values)
+    ================  ===================================  ==========================================
+    64                64 × 64, K/V fragments in registers   dK, dV 64 + Sᵀ, dPᵀ 64 + K, V 32
+    128               64 × 32, K/V re-read by ldmatrix      dK, dV 128 + Sᵀ, dPᵀ 32
+    ================  ===================================  ==========================================
+
+    At D = 128 the K and V fragments would take 64 more registers per thread
+    and spill, so they are re-read from shared memory at every k-step (one
+    ``ldmatrix`` per ``BLOCK_M / 16`` of the B operand); even so the bfloat16
+    dK/dV kernels spill 16-144 bytes there (ptxas, sm_80/sm_90) — the next
+    thing to fix, e.g. by splitting D between two warps per 16 keys.  The deterministic dQ
+    kernel uses the same numbers with the roles swapped (64 queries × 64 or 32
+    keys).  In the simulator: 2 warps (32 keys) and 16-query tiles, so that
+    short sequences cross tile edges with few Python threads; D = 32 there
+    takes the ldmatrix path, other head dims the register path.
+    """
+    if simulator:
+        return TCBackwardConfig(16, 32, head_dim, input_kind, kv_in_registers=head_dim != 32)
+    if head_dim not in (64, 128):
+        raise ValueError(f"the tensor-core backward supports head_dim 64 or 128, got {head_dim}")
+    if head_dim == 64:
+        return TCBackwardConfig(64, 64, 64, input_kind, kv_in_registers=True)
+    return TCBackwardConfig(32, 64, 128, input_kind, kv_in_registers=False)
+
+
+def _data_address(a) -> int:
+    """The address of ``a``'s first element (NumPy or CuPy array)."""
+    iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
+    return int(iface["data"][0])
+
+
+def can_implement(cfg: TCBackwardConfig, *arrays) -> tuple[bool, str]:
+    """Will this configuration launch on these arrays (do, q, k, v, then optionally o, dq, dk, dv)?  ``(ok, reason)``.
+
+    The first four are copied by ``cp.async`` 16 bytes at a time: they must be
+    contiguous along the head dim, with 16-byte aligned rows and start.
+    """
+    limit = max_shared_per_block()
+    for name in KERNELS:
+        need = shared_bytes(cfg, name)
+        if need > limit:
+            return False, f"the {name} kernel needs {need} bytes of shared memory per block, the device allows {limit}"
+    for i, (name, a) in enumerate(zip(("do", "q", "k", "v", "o", "dq", "dk", "dv"), arrays, strict=False)):
+        if a.shape[-1] != cfg.head_dim:
+            return False, f"{name} has head dim {a.shape[-1]}, the configuration {cfg.head_dim}"
+        if np.dtype(a.dtype).itemsize != 2:
+            return False, f"{name} must hold 16-bit elements (float16, or bfloat16 as uint16), got {a.dtype}"
+        if i >= 4:
+            continue
+        if a.strides[-1] != 2:
+            return False, f"{name} must be contiguous along the head dim (cp.async copies 16-byte rows)"
+        if any(s % 16 for s in a.strides[:-1]):
+            return False, f"{name}'s strides {a.strides} are not multiples of 16 bytes"
+        if _data_address(a) % 16:
+            return False, f"{name} does not start at a 16-byte aligned address"
+    return True, ""
+
+
+def launch_backward_tc(
+    cfg: TCBackwardConfig,
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    dq,
+    dk,
+    dv,
+    scale: float,
+    causal: bool,
+    deterministic: bool = True,
+    stream=0,
+):
+    """Run steps 0–2 on canonical ``(B, H, N, D)`` views (float16, or bfloat16 as uint16), writing dq, dk, dv.
+
+    ``lse`` is the forward's float32 ``(B, H, N_q)``.  ``deterministic=True``:
+    dQ by its own query-parallel kernel (step 2), the same bits on every run.
+    ``False``: dQ by float32 atomics inside the dK/dV kernel (step 1g) and the
+    convert kernel (step 2').
+    """
+    ok, why = can_implement(cfg, do, q, k, v, o, dq, dk, dv)
+    if not ok:
+        raise ValueError(f"tensor-core backward configuration {cfg} cannot run: {why}")
+    xp = array_module(q)
+    batch, heads, seqlen_q, head_dim = q.shape
+    seqlen_k = k.shape[2]
+    simt = bw.choose_config(head_dim, cfg.input_kind, simulator=SIMULATOR).dq  # steps 0 and 2'
+    delta = xp.empty((batch, heads, seqlen_q), dtype=np.float32)
+    lse2 = xp.empty((batch, heads, seqlen_q), dtype=np.float32)
+    shape = (batch, heads, seqlen_q, head_dim) if not deterministic else (1, 1, 1, 1)  # unused when deterministic
+    dq_accum = xp.empty(shape, dtype=np.float32)  # cleared by step 0
+    simt_grid = (-(-seqlen_q // simt.block_m), heads, batch)
+    simt_block = (simt.threads_x, simt.threads_y, 1)
+    qk_scale_log2, sc = float(scale * LOG2E), float(scale)
+
+    launch(
+        bw.preprocess_kernel(simt),
+        simt_grid,
+        simt_block,
+        stream,
+        0,
+        o,
+        do,
+        lse,
+        delta,
+        lse2,
+        dq_accum,
+        not deterministic,
+    )
+    name = "dkdv" if deterministic else "dkdv_atomic"
+    launch(
+        dkdv_tc_kernel(cfg, not deterministic),
+        (-(-seqlen_k // cfg.block_n), heads, batch),
+        (cfg.threads, 1, 1),
+        stream,
+        shared_bytes(cfg, name),
+        *(q, k, v, do, lse2, delta, dk, dv, dq_accum, qk_scale_log2, sc, bool(causal)),
+    )
+    if deterministic:
+        launch(
+            dq_tc_kernel(cfg),
+            (-(-seqlen_q // cfg.block_n), heads, batch),
+            (cfg.threads, 1, 1),
+            stream,
+            shared_bytes(cfg, "dq"),
+            *(q, k, v, do, lse2, delta, dq, qk_scale_log2, sc, bool(causal)),
+        )
+    else:
+        launch(bw.dq_convert_kernel(simt), simt_grid, simt_block, stream, 0, dq_accum, dq, sc)
+
+
+def kernel_signature(cfg: TCBackwardConfig, name: str):
+    """The Numba argument types of kernel ``name`` (one of :data:`KERNELS`) for ``cfg`` (any strides)."""
+    from numba import types
+
+    x4 = types.Array(types.float16 if cfg.input_kind == "float16" else types.uint16, 4, "A")
+    f3, f4 = types.Array(types.float32, 3, "A"), types.Array(types.float32, 4, "A")  # lse2, delta; dq_accum
+    f64, flag = types.float64, types.boolean
+    if name == "dq":
+        return (x4, x4, x4, x4, f3, f3, x4, f64, f64, flag)
+    return (x4, x4, x4, x4, f3, f3, x4, x4, f4, f64, f64, flag)
+
+
+def _kernel(cfg: TCBackwardConfig, name: str):
+    return dq_tc_kernel(cfg) if name == "dq" else dkdv_tc_kernel(cfg, name == "dkdv_atomic")
+
+
+def compile_targets():
+    """``(name, cfg, kernel, signature, fastmath)`` for every GPU configuration and kernel (the PTX check).
+
+    Steps 0 and 2' are the SIMT kernels of :mod:`nbflash.backward`, covered by its own compile targets.
+    """
+    cfgs = [choose_config(d, kind, simulator=False) for d in (64, 128) for kind in ("float16", "bfloat16")]
+    return [
+        (f"flash_backward_{name}_tc", cfg, _kernel(cfg, name), kernel_signature(cfg, name), True)
+        for cfg in cfgs
+        for name in KERNELS
+    ]

@@ -1,0 +1,302 @@
+"""The fast launch path (nbflash._launch): its parameter ABI, its packing, and launches on the GPU.
+
+Without a GPU: the parameters the launcher packs are checked against the
+``.param`` list NVVM gives the real kernels' PTX entries (count, order, size),
+the descriptors of strided and ``bshd`` views are checked field by field, and
+the simulator is shown to launch exactly as before.  On a GPU (``gpu``): the
+fast launch writes the same bits as Numba's dispatcher, on the stream it is
+given, and launches captured into CUDA graphs (PyTorch's and CuPy's) replay
+correctly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import nbflash
+from nbflash import _device, _launch
+from nbflash._device import cuda
+from nbflash._launch import ArrayArg
+
+#: PTX parameter type -> the struct codes that pack into it (size must match too).
+PTX_CODES = {
+    ".u64": "Qq",
+    ".s64": "Qq",
+    ".b64": "Qq",
+    ".f64": "d",
+    ".f32": "f",
+    ".u32": "Ii",
+    ".s32": "Ii",
+    ".b32": "Iif",
+    ".u16": "Hhe",  # float16 travels as its bits
+    ".s16": "Hh",
+    ".b16": "Hhe",
+    ".u8": "Bb?",
+    ".s8": "Bb?",
+    ".b8": "Bb?",
+}
+PTX_SIZES = {"64": 8, "32": 4, "16": 2, "8": 1}
+
+# Runs with the simulator off (NVVM only, no driver): for each kernel, the codes the
+# launcher derives and the .param types of the compiled PTX entry.
+ABI_SCRIPT = r"""
+import json, re, sys
+import numpy as np
+from nbflash._device import SIMULATOR, compile_ptx_offline, numba
+assert not SIMULATOR
+from nbflash import _launch, backward, forward
+from nbflash._launch import ArrayArg
+
+def entry_params(ptx):
+    body = re.search(r"\.entry\s+\S+\s*\((.*?)\)", ptx, re.S).group(1)
+    return re.findall(r"\.param\s+(\.\w+)", body)
+
+rows = []
+def check(name, pyfunc, sig, fastmath=False):
+    ptx = compile_ptx_offline(pyfunc, sig, cc=(9, 0), fastmath=fastmath)
+    rows.append(dict(kernel=name, codes=_launch.param_codes(sig), ptx=entry_params(ptx)))
+
+# The forward kernel, typed from descriptors of bshd views as the fast path types them.
+cfg = forward.choose_config(64, "float16", simulator=False)
+def view(shape, dtype):
+    x = np.zeros(shape, dtype)
+    return ArrayArg(x.ctypes.data, x.shape, x.strides, x.dtype).permute((0, 2, 1, 3))
+q, k, v, o = (view((2, 7, 3, 64), np.float16) for _ in range(4))
+lse = np.zeros((2, 3, 7), np.float32)
+lse = ArrayArg(lse.ctypes.data, lse.shape, lse.strides, lse.dtype)
+trace = ArrayArg(0, (1, 1, 1, 1, 2), (8, 8, 8, 8, 4), np.dtype(np.float32))
+key, values = _launch._flatten((q, k, v, o, lse, 0.5, True, trace))
+sig = _launch._signature(key)
+ref = forward.kernel_signature(cfg)  # all layout 'A'; lse and trace are contiguous here: 'C'
+assert sig[:4] == ref[:4] and sig[5:7] == ref[5:7], (sig, ref)
+assert [(a.dtype, a.ndim, a.layout) for a in (sig[4], sig[7])] == [(r.dtype, r.ndim, "C") for r in (ref[4], ref[7])]
+check("flash_forward", forward.forward_kernel(cfg).py_func, sig, True)
+rows[-1]["values"] = len(values)
+
+# Every backward kernel of one configuration.
+bcfg = backward.choose_config(64, "float32", simulator=False)
+for name, tile, kern, bsig, fastmath in backward.compile_targets([bcfg]):
+    check(name, kern.py_func, bsig, fastmath)
+
+# Scalars of every kind the ABI names, between arrays (alignment after a 1-byte bool).
+def scalars(flag, a, x32, i32, h, c, u8, t, b):
+    if flag:
+        a[0] = x32 + i32 + h + c.real + u8 + t[0] + t[1]
+        b[0, 0] = a[0]
+t = numba.types
+check("scalars", scalars, (t.boolean, t.Array(t.float32, 1, "C"), t.float32, t.int32, t.float16, t.complex64,
+                           t.uint8, t.UniTuple(t.float64, 2), t.Array(t.float64, 2, "F")))
+print(json.dumps(rows))
+"""
+
+
+def _compile_rows():
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    out = subprocess.run([sys.executable, "-c", ABI_SCRIPT], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_parameter_abi_matches_the_ptx_entry():
+    """The launcher's parameter list is the kernel's: same count, each of the PTX type's size and kind."""
+    pytest.importorskip("numba.cuda")
+    rows = _compile_rows()
+    assert {r["kernel"] for r in rows} >= {"flash_forward", "scalars", "flash_backward_dkdv"}
+    for r in rows:
+        codes, ptx = r["codes"], r["ptx"]
+        assert len(codes) == len(ptx), (r["kernel"], codes, ptx)
+        for i, (code, ptype) in enumerate(zip(codes, ptx, strict=True)):
+            assert code in PTX_CODES[ptype], (r["kernel"], i, code, ptype)
+            assert struct.calcsize(code) == PTX_SIZES[ptype.lstrip(".usbf")], (r["kernel"], i, code, ptype)
+    fwd = next(r for r in rows if r["kernel"] == "flash_forward")
+    # four 4-D arrays (13 each), lse 3-D (11), scale f64, causal u8, trace 5-D (15)
+    assert len(fwd["codes"]) == fwd["values"] == 4 * 13 + 11 + 1 + 1 + 15
+
+
+def test_packed_buffer_alignment():
+    """Each parameter at its natural alignment, as the driver reads the ``extra`` buffer."""
+    codes = ["Q", "?", "Q", "d", "?", "f", "e", "?", "d"]
+    assert _launch.param_offsets(codes) == [0, 8, 16, 24, 32, 36, 40, 42, 48]
+    packed = struct.pack("@" + "".join(codes), 1, True, 2, 0.5, False, 1.5, 2.0, True, -1.0)
+    assert len(packed) == 56
+    assert struct.unpack_from("@d", packed, 24) == (0.5,) and packed[8] == 1 and packed[42] == 1
+
+
+def _arg(x):
+    return ArrayArg(x.__array_interface__["data"][0], x.shape, x.strides, x.dtype)
+
+
+def test_descriptor_of_strided_and_bshd_views():
+    base = np.zeros((2, 9, 3, 3, 16), np.float16)  # a packed (B, N, 3, H, D) qkv buffer
+    q = base[:, :, 1]  # bshd slice: (2, 9, 3, 16)
+    canon = _arg(q).permute((0, 2, 1, 3))  # what the kernel sees: (B, H, N, D)
+    assert canon.shape == (2, 3, 9, 16)
+    assert canon.strides == (9 * 3 * 3 * 16 * 2, 16 * 2, 3 * 3 * 16 * 2, 2)
+    assert canon.ptr == base.__array_interface__["data"][0] + 3 * 16 * 2
+    assert canon.strides == q.transpose(0, 2, 1, 3).strides
+    key, values = _launch._flatten((canon, 0.25, False))
+    assert key == (("<f2", 4, "A"), "d", "?")
+    assert values == [0, 0, 2 * 3 * 9 * 16, 2, canon.ptr, *canon.shape, *canon.strides, 0.25, False]
+
+
+@pytest.mark.parametrize(
+    "shape, make, layout",
+    [
+        ((2, 3, 4, 5), lambda x: x, "C"),
+        ((2, 3, 4, 5), lambda x: np.asfortranarray(x), "F"),
+        ((2, 3, 4, 5), lambda x: x.transpose(0, 2, 1, 3), "A"),
+        ((1, 1, 4, 5), lambda x: x.transpose(0, 2, 1, 3)[:, :, :1], "C"),  # length-1 axes: any stride
+        ((3, 4), lambda x: x[:, ::2], "A"),
+        ((3, 4), lambda x: np.broadcast_to(x[:1], (3, 4)), "A"),  # zero stride on a length-3 axis
+        ((3, 4), lambda x: x[:, ::-1], "A"),
+    ],
+)
+def test_layout_letter(shape, make, layout):
+    a = make(np.zeros(shape, np.float32))
+    assert _launch.array_layout(a.shape, a.strides, a.itemsize) == layout
+    if layout == "C":
+        assert a.flags.c_contiguous
+
+
+def test_unsupported_arguments_fall_back():
+    """Anything the fast path cannot describe (a NumPy array to copy, an object) goes to Numba's dispatcher."""
+    assert _launch._flatten((np.zeros(3), 1.0)) == (None, None)
+    assert _launch._flatten((object(),)) == (None, None)
+
+
+@pytest.mark.skipif(not nbflash.SIMULATOR, reason="the simulator's launch")
+def test_simulator_launch_is_unchanged(monkeypatch):
+    """In the simulator launch() is Numba's own (strided views in place); the fast path is never loaded."""
+
+    def no_fast_path():
+        raise AssertionError("the simulator must not use the fast launch path")
+
+    monkeypatch.setattr(_device, "_load_fast_path", no_fast_path)
+    monkeypatch.setattr(_device, "_fast_path", None)
+
+    @_device.kernel
+    def scale_rows(x, y, s):
+        i = cuda.grid(1)
+        if i < x.shape[0]:
+            for j in range(x.shape[1]):
+                y[i, j] = x[i, j] * s
+
+    x = np.arange(24, dtype=np.float32).reshape(4, 6)[:, ::2]  # strided view
+    y = np.zeros((8, 3), np.float32)[::2]  # strided output view, written in place
+    _device.launch(scale_rows, 1, 4, 0, 0, x, y, np.float32(2.0))
+    np.testing.assert_array_equal(y, 2 * x)
+
+
+# ----------------------------------------------------------------------------
+# GPU only
+# ----------------------------------------------------------------------------
+
+
+def _forward_case(cp, dtype, b=2, h=3, n=200, d=64, layout="bhsd"):
+    from nbflash import forward
+
+    rng = cp.random.default_rng(0)
+    shape = (b, h, n, d) if layout == "bhsd" else (b, n, h, d)
+    q, k, v = (rng.standard_normal(shape, dtype=np.float32).astype(dtype) for _ in range(3))
+    cfg = forward.choose_config(d, np.dtype(dtype).name)
+    return forward, cfg, q, k, v
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_gpu_fast_launch_equals_dispatcher(dtype, layout):
+    cp = pytest.importorskip("cupy")
+    forward, cfg, q, k, v = _forward_case(cp, dtype, layout=layout)
+    canon = (lambda x: x) if layout == "bhsd" else (lambda x: x.transpose(0, 2, 1, 3))
+    b, h, n, _ = canon(q).shape
+    outs = []
+    for route in (_device.dispatcher_launch, None):
+        o = cp.full(q.shape, np.nan, dtype=dtype)
+        lse = cp.full((b, h, n), np.nan, dtype=np.float32)
+        trace = cp.zeros((1, 1, 1, 1, 2), np.float32)
+        kern = forward.forward_kernel(cfg)
+        grid, block = (-(-n // cfg.block_m), h, b), (cfg.threads_x, cfg.threads_y, 1)
+        args = (canon(q), canon(k), canon(v), canon(o), lse, 0.18, True, trace)
+        if route is None:
+            assert _launch.launch(kern, grid, block, 0, forward.shared_bytes(cfg), args)
+        else:
+            route(kern, grid, block, 0, forward.shared_bytes(cfg), *args)
+        cp.cuda.runtime.deviceSynchronize()
+        outs.append((o, lse))
+    for a, b_ in zip(outs[0], outs[1], strict=True):
+        assert cp.array_equal(a.view(np.uint8), b_.view(np.uint8)), "fast launch differs from the dispatcher's"
+
+
+@pytest.mark.gpu
+def test_gpu_launch_on_a_side_stream():
+    """A launch given a busy side stream waits for the work queued before it there."""
+    torch = pytest.importorskip("torch")
+    import nbflash.torch as nbt
+
+    q0, k0, v0 = (torch.randn(1, 2, 300, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    want = nbt.attention(q0, k0, v0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)
+        q, k, v = (x.clone() for x in (q0, k0, v0))  # ready only after the sleep
+        got = nbt.attention(q, k, v)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(got, want)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_gpu_torch_cuda_graph_replays(dtype):
+    torch = pytest.importorskip("torch")
+    import nbflash.torch as nbt
+
+    dt = getattr(torch, dtype)
+    shape = (2, 4, 130, 64)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=dt) for _ in range(3))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up (compiles) outside the capture
+        nbt.attention(q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = nbt.attention(q, k, v, causal=True)
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        for x in (q, k, v):
+            x.copy_(torch.randn_like(x))
+        graph.replay()
+        want = nbt.attention(q.clone(), k.clone(), v.clone(), causal=True)
+        torch.cuda.synchronize()
+        assert torch.equal(o, want), f"replay {seed} differs from a fresh call"
+
+
+@pytest.mark.gpu
+def test_gpu_cupy_stream_capture_replays():
+    cp = pytest.importorskip("cupy")
+    rng = cp.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 2, 100, 64), dtype=np.float32) for _ in range(3))
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        nbflash.attention(q, k, v)  # warm-up: compile and fill CuPy's memory pool
+        stream.synchronize()
+        stream.begin_capture()
+        o = nbflash.attention(q, k, v)
+        graph = stream.end_capture()
+        for _ in range(2):
+            for x in (q, k, v):
+                x[...] = rng.standard_normal(x.shape, dtype=np.float32)
+            graph.launch(stream)
+            want = nbflash.attention(q, k, v)
+            stream.synchronize()
+            assert cp.array_equal(o, want)
