@@ -3,9 +3,12 @@
     compute-sanitizer --tool memcheck  python benchmarks/sanitize.py
     compute-sanitizer --tool racecheck python benchmarks/sanitize.py
 
-Covers the forward kernel (fp32 causal with ragged tiles, fp16 bshd with a
-padded head dim), the backward kernels (deterministic dQ pass and atomic dQ),
-and the PyTorch bridge in bfloat16 (forward and backward).
+Covers the SIMT forward kernel (fp32 causal with ragged tiles, fp16 bshd with
+a head dim that is not a multiple of 8), the SIMT backward kernels
+(deterministic dQ pass and atomic dQ), the tensor-core kernels (forward at
+head dims 40, 64, 128 and 256 — padding, Q in registers or shared memory,
+one and two m-tiles per warp; backward at 64 and 128, both dQ routes), and the
+PyTorch bridge in bfloat16 (forward and backward, tensor cores).
 """
 
 import os
@@ -23,8 +26,32 @@ q, k, v, do = (cp.random.standard_normal((1, 2, 200, 64), dtype=cp.float32) for 
 o, lse = nbflash.attention(q, k, v, causal=True, return_lse=True)
 for det in (True, False):
     nbflash.attention_backward(do, q, k, v, o, lse, causal=True, deterministic=det)
-h = cp.random.standard_normal((1, 77, 2, 40)).astype(cp.float16)
+h = cp.random.standard_normal((1, 77, 2, 36)).astype(cp.float16)
 nbflash.attention(h, h[:, :50], h[:, :50], causal=True, layout="bshd")
+for d in (40, 64, 128, 256):  # tensor cores: ragged tiles, causal, seqlen_q != seqlen_k
+    x = cp.random.standard_normal((1, 97, 2, d)).astype(cp.float16)
+    o16, lse16 = nbflash.attention(
+        x, x[:, :90], x[:, :90], causal=True, layout="bshd", return_lse=True, backend="tensor_core"
+    )
+    if d in (64, 128):
+        for det in (True, False):
+            nbflash.attention_backward(
+                x,
+                x,
+                x[:, :90],
+                x[:, :90],
+                o16,
+                lse16,
+                causal=True,
+                layout="bshd",
+                deterministic=det,
+                backend="tensor_core",
+            )
+from nbflash import forward_tc  # noqa: E402
+
+x = cp.random.standard_normal((1, 2, 150, 64)).astype(cp.float16)
+o2, l2 = cp.empty_like(x), cp.empty((1, 2, 150), dtype=cp.float32)
+forward_tc.launch_forward_tc(forward_tc.TCConfig(128, 64, 64, "float16", m_tiles=2), x, x, x, o2, l2, 0.125, True)
 qt, kt, vt = (torch.randn(1, 2, 130, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 nbflash.torch.attention(qt, kt, vt, causal=True).sum().backward()
 cp.cuda.Device().synchronize()

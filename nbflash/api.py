@@ -98,9 +98,12 @@ def _forward(p: Problem, q, k, v, *, stream=None, backend: str = "auto"):
     else:
         o = xp.empty((p.batch, p.seqlen_q, p.heads, p.head_dim), dtype=q.dtype)
     lse = xp.empty((p.batch, p.heads, p.seqlen_q), dtype=p.lse_dtype)
-    launch = _tc.launch_forward_tc if plan.backend == "tensor_core" else _simt.launch_forward
     stream = current_stream(xp) if stream is None else stream
-    launch(plan.config, cq, ck, cv, canonical(o, p.layout), lse, p.scale, p.causal, stream=stream)
+    co = canonical(o, p.layout)
+    if plan.backend == "tensor_core":  # the plan checked q, k, v; o is ours, contiguous and aligned
+        _tc.launch_forward_tc(plan.config, cq, ck, cv, co, lse, p.scale, p.causal, stream=stream, check=False)
+    else:
+        _simt.launch_forward(plan.config, cq, ck, cv, co, lse, p.scale, p.causal, stream=stream)
     return o, lse
 
 
@@ -184,7 +187,7 @@ def attention_backward(
     causal: bool = False,
     scale: float | None = None,
     layout: str = "bhsd",
-    deterministic: bool = False,
+    deterministic: bool | None = None,
     backend: str = "auto",
 ):
     """Gradients ``(dq, dk, dv)`` of :func:`attention` by recomputation (FlashAttention-2's backward).
@@ -200,14 +203,17 @@ def attention_backward(
         causal, scale, layout: exactly as given to the forward.
         deterministic: ``True`` computes dq by its own query-parallel kernel
             (the same bits on every run, S and P recomputed once more);
-            ``False`` (the default) adds dq with float32 (float64) atomics
-            inside the dK/dV kernel (one pass less; the summation order, and so
-            the last bits of dq, vary between runs).  The default is the
-            measured faster one: on an H200 in fp32 (batch·N = 16k, heads·D =
-            2048, N = 2k and 8k) the atomic backward ran at 23–26 TFLOP/s
-            against 16–18 for the deterministic one at D = 64, and 16–17
-            against 14–16 at D = 128, for 128 MB more scratch (the float32 dq
-            accumulator); ``benchmarks/results/`` has the figures.
+            ``False`` adds dq with float32 (float64) atomics inside the dK/dV
+            kernel (one pass less; the summation order, and so the last bits
+            of dq, vary between runs).  ``None`` (the default) takes the one
+            measured faster for the chosen kernels on an H200 (batch·N = 16k,
+            heads·D = 2048; ``benchmarks/results/`` has the figures):
+            *SIMT*: atomic — 23–26 TFLOP/s against 16–18 deterministic in fp32
+            at D = 64 (N = 2k, 8k), for 128 MB more scratch;
+            *tensor cores*: deterministic — 141–186 TFLOP/s against 98–126
+            atomic at D = 64 and 127–158 against 98–123 at D = 128 (N = 1k–16k,
+            bf16/fp16): there the atomics of dQ cost more than recomputing S
+            and P in a second kernel.
         backend: ``"auto"`` (the tensor-core backward of
             :mod:`nbflash.backward_tc` for float16/bfloat16 at head dim 64 or
             128 on an sm_80+ GPU, the SIMT one otherwise), ``"simt"`` or
@@ -240,7 +246,7 @@ def backward_arrays(
     causal=False,
     scale=None,
     layout="bhsd",
-    deterministic=False,
+    deterministic=None,
     bf16_bits=False,
     stream=None,
     backend="auto",
@@ -252,8 +258,8 @@ def backward_arrays(
     ``stream``: the Numba stream to launch on (default: CuPy's current stream).
     """
     p = check_attention(q, k, v, causal=causal, scale=scale, layout=layout, bf16_bits=bf16_bits)
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    if deterministic is not None and not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be a bool or None, got {type(deterministic).__name__}")
     q_shape = (p.batch, p.heads, p.seqlen_q, p.head_dim)
     check_like("do", do, q_shape, q.dtype, p.xp, layout)
     check_like("o", o, q_shape, q.dtype, p.xp, layout)
@@ -261,7 +267,7 @@ def backward_arrays(
     check_device(("q", "do", "o", "lse"), (q, do, o, lse), p.xp)
     xp = p.xp
     with array_device(xp, q):
-        return _backward(p, do, q, k, v, o, lse, deterministic=bool(deterministic), stream=stream, backend=backend)
+        return _backward(p, do, q, k, v, o, lse, deterministic=deterministic, stream=stream, backend=backend)
 
 
 def plan_backward(head_dim: int, input_kind: str, scale: float, do, q, k, v, o, backend: str = "auto") -> Plan:
@@ -293,11 +299,14 @@ def plan_backward(head_dim: int, input_kind: str, scale: float, do, q, k, v, o, 
     return Plan("tensor_core", cfg, "requested" if backend == "tensor_core" else "float16/bfloat16 on sm_80+")
 
 
-def _backward(p: Problem, do, q, k, v, o, lse, *, deterministic: bool, stream, backend: str = "auto"):
+def _backward(p: Problem, do, q, k, v, o, lse, *, deterministic: bool | None, stream, backend: str = "auto"):
     """Allocate ``dq, dk, dv`` (in the caller's layout) and run the backward kernels."""
     xp, layout = p.xp, p.layout
     cdo, cq, ck, cv, co = (canonical(a, layout) for a in (do, q, k, v, o))
     plan = plan_backward(p.head_dim, p.input_kind, p.scale, cdo, cq, ck, cv, co, backend)
+    if deterministic is None:  # the measured faster dQ route of each backend (see attention_backward)
+        deterministic = plan.backend == "tensor_core"
+    deterministic = bool(deterministic)
     dq, dk, dv = (xp.empty(a.shape, dtype=a.dtype) for a in (q, k, v))  # C-contiguous, in the caller's layout
     cdq, cdk, cdv = (canonical(a, layout) for a in (dq, dk, dv))
     stream = current_stream(xp) if stream is None else stream

@@ -625,26 +625,30 @@ def launch_backward(
     causal: bool,
     deterministic: bool = True,
     stream=0,
+    empty=None,
 ):
     """Run steps 0–2 on canonical ``(B, H, N, D)`` views, writing ``dq, dk, dv`` (no checks here).
 
     ``deterministic=True``: dQ by its own query-parallel kernel (step 2), the
     same bits on every run.  ``False``: dQ by atomics inside the dK/dV kernel
-    (step 1e) and a convert kernel (step 2').
+    (step 1e) and a convert kernel (step 2').  ``empty(shape, dtype)``
+    allocates the scratch (default: the array module of ``q``); bridges that
+    pass kernel argument descriptors give their own.
     """
     ok, why = can_implement(cfg)
     if not ok:
         raise ValueError(f"backward configuration {cfg} cannot run: {why}")
-    xp = array_module(q)
+    if empty is None:  # scratch from the inputs' array module
+        empty = array_module(q).empty
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
     acc_dtype = np.float64 if cfg.dq.acc_kind == "float64" else np.float32
-    delta = xp.empty((batch, heads, seqlen_q), dtype=acc_dtype)
-    lse2 = xp.empty((batch, heads, seqlen_q), dtype=acc_dtype)
+    delta = empty((batch, heads, seqlen_q), acc_dtype)
+    lse2 = empty((batch, heads, seqlen_q), acc_dtype)
     if deterministic:
-        dq_accum = xp.empty((1, 1, 1, 1), dtype=acc_dtype)  # unused
+        dq_accum = empty((1, 1, 1, 1), acc_dtype)  # unused
     else:
-        dq_accum = xp.empty((batch, heads, seqlen_q, head_dim), dtype=acc_dtype)  # cleared by step 0
+        dq_accum = empty((batch, heads, seqlen_q, head_dim), acc_dtype)  # cleared by step 0
     qk_scale_log2 = float(scale * LOG2E)
     q_grid = (-(-seqlen_q // cfg.dq.block_m), heads, batch)
     k_grid = (-(-seqlen_k // cfg.dkdv.block_n), heads, batch)

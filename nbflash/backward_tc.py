@@ -670,6 +670,7 @@ def dq_tc_kernel(cfg: TCBackwardConfig):
 # ----------------------------------------------------------------------------
 
 
+@functools.cache
 def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR) -> TCBackwardConfig:
     """A starting configuration (not yet tuned on a GPU): 4 warps, 64 stationary rows.
 
@@ -700,7 +701,9 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
 
 
 def _data_address(a) -> int:
-    """The address of ``a``'s first element (NumPy or CuPy array)."""
+    """The address of ``a``'s first element (a kernel argument descriptor, NumPy or CuPy array)."""
+    if hasattr(a, "ptr"):  # nbflash._launch.ArrayArg
+        return int(a.ptr)
     iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
     return int(iface["data"][0])
 
@@ -747,25 +750,29 @@ def launch_backward_tc(
     causal: bool,
     deterministic: bool = True,
     stream=0,
+    empty=None,
 ):
     """Run steps 0–2 on canonical ``(B, H, N, D)`` views (float16, or bfloat16 as uint16), writing dq, dk, dv.
 
     ``lse`` is the forward's float32 ``(B, H, N_q)``.  ``deterministic=True``:
     dQ by its own query-parallel kernel (step 2), the same bits on every run.
     ``False``: dQ by float32 atomics inside the dK/dV kernel (step 1g) and the
-    convert kernel (step 2').
+    convert kernel (step 2').  ``empty(shape, dtype)`` allocates the scratch
+    (default: the array module of ``q``); bridges that pass kernel argument
+    descriptors give their own.
     """
     ok, why = can_implement(cfg, do, q, k, v, o, dq, dk, dv)
     if not ok:
         raise ValueError(f"tensor-core backward configuration {cfg} cannot run: {why}")
-    xp = array_module(q)
+    if empty is None:  # scratch from the inputs' array module
+        empty = array_module(q).empty
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
     simt = bw.choose_config(head_dim, cfg.input_kind, simulator=SIMULATOR).dq  # steps 0 and 2'
-    delta = xp.empty((batch, heads, seqlen_q), dtype=np.float32)
-    lse2 = xp.empty((batch, heads, seqlen_q), dtype=np.float32)
+    delta = empty((batch, heads, seqlen_q), np.float32)
+    lse2 = empty((batch, heads, seqlen_q), np.float32)
     shape = (batch, heads, seqlen_q, head_dim) if not deterministic else (1, 1, 1, 1)  # unused when deterministic
-    dq_accum = xp.empty(shape, dtype=np.float32)  # cleared by step 0
+    dq_accum = empty(shape, np.float32)  # cleared by step 0
     simt_grid = (-(-seqlen_q // simt.block_m), heads, batch)
     simt_block = (simt.threads_x, simt.threads_y, 1)
     qk_scale_log2, sc = float(scale * LOG2E), float(scale)

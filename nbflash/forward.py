@@ -121,8 +121,7 @@ def forward_kernel(cfg: TileConfig):
     to_out = make_storer(cfg.input_kind)
     row_max, row_sum = make_row_reducers(THREADS_X)
 
-    @kernel(fastmath=cfg.acc_kind == "float32",
-            launch_bounds=(cfg.threads, cfg.min_blocks) if cfg.min_blocks else None)
+    @kernel(fastmath=cfg.acc_kind == "float32", launch_bounds=(cfg.threads, cfg.min_blocks) if cfg.min_blocks else None)
     def flash_forward(q, k, v, o, lse, qk_scale_log2, causal, trace):
         """One block: O_i and lse_i for BLOCK_M queries of one (batch, head)."""
         seqlen_q = q.shape[2]
@@ -247,6 +246,7 @@ def forward_kernel(cfg: TileConfig):
 # ----------------------------------------------------------------------------
 
 
+@functools.cache
 def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR) -> TileConfig:
     """The tile configuration the API uses for this head dim and input type.
 
@@ -304,11 +304,17 @@ def launch_forward(cfg: TileConfig, q, k, v, o, lse, scale: float, causal: bool,
     launch(forward_kernel(cfg), grid, block, stream, nbytes, *args)
 
 
+_DUMMY_TRACE: dict = {}
+
+
 def _dummy_trace(like):
-    """A 1-element-per-axis array standing in for the unused trace argument."""
-    return array_module(like).zeros((1, 1, 1, 1, 2), dtype=like.dtype)
-
-
+    """A 1-element-per-axis array standing in for the unused trace argument (one per array type, dtype, GPU)."""
+    xp = array_module(like)
+    key = (xp.__name__, like.dtype, getattr(getattr(like, "device", None), "id", None))
+    dummy = _DUMMY_TRACE.get(key)
+    if dummy is None:
+        dummy = _DUMMY_TRACE[key] = xp.zeros((1, 1, 1, 1, 2), dtype=like.dtype)
+    return dummy
 
 
 def api_configs() -> list[TileConfig]:
@@ -325,19 +331,37 @@ def kernel_signature(cfg: TileConfig):
     """The Numba argument types of the forward kernel for ``cfg`` (any strides: layout 'A')."""
     from numba import types
 
-    elem = {"float16": types.float16, "bfloat16": types.uint16, "float32": types.float32,
-            "float64": types.float64}[cfg.input_kind]
+    elem = {"float16": types.float16, "bfloat16": types.uint16, "float32": types.float32, "float64": types.float64}[
+        cfg.input_kind
+    ]
     acc = numba_type(cfg.acc_kind)
     tensor = types.Array(elem, 4, "A")
-    return (tensor, tensor, tensor, tensor, types.Array(acc, 3, "A"), types.float64, types.boolean,
-            types.Array(acc, 5, "A"))
+    return (
+        tensor,
+        tensor,
+        tensor,
+        tensor,
+        types.Array(acc, 3, "A"),
+        types.float64,
+        types.boolean,
+        types.Array(acc, 5, "A"),
+    )
 
 
-__all__ = ["api_configs", "can_implement", "choose_config", "forward_kernel", "kernel_signature", "launch_forward",
-           "shared_bytes"]
+__all__ = [
+    "api_configs",
+    "can_implement",
+    "choose_config",
+    "forward_kernel",
+    "kernel_signature",
+    "launch_forward",
+    "shared_bytes",
+]
 
 
 def compile_targets():
     """``(name, cfg, kernel, signature, fastmath)`` for every kernel the API can launch (the PTX check)."""
-    return [("flash_forward", cfg, forward_kernel(cfg), kernel_signature(cfg), cfg.acc_kind == "float32")
-            for cfg in api_configs()]
+    return [
+        ("flash_forward", cfg, forward_kernel(cfg), kernel_signature(cfg), cfg.acc_kind == "float32")
+        for cfg in api_configs()
+    ]

@@ -133,6 +133,7 @@ def shared_offsets(cfg: TCConfig) -> tuple[int, int, int]:
     return k_off, v_off, end
 
 
+@functools.cache
 def shared_bytes(cfg: TCConfig) -> int:
     """Dynamic shared memory of one block (bytes)."""
     return shared_offsets(cfg)[-1] * 2
@@ -426,59 +427,79 @@ def forward_tc_kernel(cfg: TCConfig):
 # ----------------------------------------------------------------------------
 
 
+@functools.cache
 def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR) -> TCConfig:
-    """The configuration for a head dim (any multiple of 8 up to 256): 4 warps × 16 query rows.
+    """The configuration for a head dim (any multiple of 8 up to 256), chosen by the H200 sweeps.
 
-    Up to D = 128 the Q fragments stay in registers; beyond, they are re-read
-    from shared memory each key tile so that S, P and O still fit in 255
-    registers.  (Provisional: to be replaced by the H200 sweep.)  In the
-    simulator, 2 warps and 16-key tiles keep the Python threads few while
-    small sequences still cross tile edges.
+    ``benchmarks/results/tc-forward-*`` (``benchmarks/tc_sweep.py``), bf16 and
+    fp16, batch·N = 16k, heads·D = 2048, TFLOP/s at N = 1k / 4k / 16k:
+
+    * D ≤ 64: 128 × 64 tiles, 4 warps of two m-tiles (FlashAttention-2's
+      layout) — 239 / 278 / 293 non-causal against 197 / 224 / 235 for
+      64 × 64 with one m-tile per warp; 244 registers, nothing in local memory.
+    * D ≤ 128: 64 × 64 tiles, one m-tile per warp, Q in registers — 209 / 245 /
+      249; the two-m-tile 128 × 32 (Q re-read from shared memory, 255
+      registers) is within 2 % on average, 64 × 32 within 1 %.
+    * D > 128: 64 × 32 tiles with Q re-read from shared memory, so that S, P
+      and O (128 registers at D = 256) still fit.
+
+    In the simulator, 2 warps and 16-key tiles keep the Python threads few
+    while small sequences still cross tile edges.
     """
     if simulator:
         return TCConfig(32, 16, head_dim, input_kind, q_in_regs=head_dim <= 128)
     d_pad = -(-head_dim // 16) * 16
     if d_pad <= 64:
-        return TCConfig(64, 64, head_dim, input_kind)
+        return TCConfig(128, 64, head_dim, input_kind, m_tiles=2)
     if d_pad <= 128:
-        return TCConfig(64, 32, head_dim, input_kind)
+        return TCConfig(64, 64, head_dim, input_kind)
     return TCConfig(64, 32, head_dim, input_kind, q_in_regs=False)
 
 
 def can_implement(cfg: TCConfig, *arrays) -> tuple[bool, str]:
-    """Will this configuration launch on these arrays (q, k, v, o)?  ``(ok, reason)``."""
+    """Will this configuration launch on these arrays (q, k, v, o)?  ``(ok, reason)``.
+
+    Any (B, H, N, D) view or descriptor whose rows are whole, 16-byte aligned
+    chunks: cp.async copies 16 bytes at a time.
+    """
     need = shared_bytes(cfg)
     limit = max_shared_per_block()
     if need > limit:
         return False, f"needs {need} bytes of shared memory per block, the device allows {limit}"
     for name, a in zip("qkvo", arrays, strict=False):
+        strides = a.strides
         if a.shape[-1] != cfg.head_dim:
             return False, f"{name} has head dim {a.shape[-1]}, the configuration {cfg.head_dim}"
-        if a.strides[-1] != 2:
+        if strides[-1] != 2:
             return False, f"{name} must be contiguous along the head dim (cp.async copies 16-byte rows)"
-        if any(s % 16 for s in a.strides[:-1]):
-            return False, f"{name}'s strides {a.strides} are not multiples of 16 bytes"
-        if _address(a) % 16:
+        if (strides[0] | strides[1] | strides[2]) & 15:
+            return False, f"{name}'s strides {strides} are not multiples of 16 bytes"
+        if _address(a) & 15:
             return False, f"{name}'s data pointer is not 16-byte aligned"
     return True, ""
 
 
 def _address(a) -> int:
     """The address of ``a``'s first element (a descriptor, CuPy, NumPy, or any CUDA array interface)."""
-    if hasattr(a, "ptr"):  # a kernel argument descriptor (nbflash._launch.ArrayArg)
-        return a.ptr
-    if hasattr(a, "data") and hasattr(a.data, "ptr"):  # CuPy
-        return a.data.ptr
-    if hasattr(a, "__cuda_array_interface__"):
-        return a.__cuda_array_interface__["data"][0]
-    return a.__array_interface__["data"][0]
+    ptr = getattr(a, "ptr", None)  # a kernel argument descriptor (nbflash._launch.ArrayArg)
+    if ptr is None:
+        ptr = getattr(getattr(a, "data", None), "ptr", None)  # CuPy
+    if ptr is None:
+        iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
+        ptr = iface["data"][0]
+    return ptr
 
 
-def launch_forward_tc(cfg: TCConfig, q, k, v, o, lse, scale: float, causal: bool, stream=0):
-    """Launch the tensor-core forward on canonical ``(B, H, N, D)`` views (float16, or bfloat16 as uint16)."""
-    ok, why = can_implement(cfg, q, k, v, o)
-    if ok and not scale > 0:
-        ok, why = False, f"scale must be positive (the row max is taken before scaling), got {scale}"
+def launch_forward_tc(cfg: TCConfig, q, k, v, o, lse, scale: float, causal: bool, stream=0, check: bool = True):
+    """Launch the tensor-core forward on canonical ``(B, H, N, D)`` views (float16, or bfloat16 as uint16).
+
+    ``check=False`` skips :func:`can_implement` for a caller that has just run it (nbflash.api's plan).
+    """
+    if not scale > 0:
+        raise ValueError(
+            f"tensor-core forward: scale must be positive (the row max is taken before scaling), got {scale}"
+        )
+    ok, why = can_implement(cfg, q, k, v, o) if check else (True, "")
     if not ok:
         raise ValueError(f"tensor-core forward configuration {cfg} cannot run: {why}")
     batch, heads, seqlen_q, _ = q.shape

@@ -17,18 +17,22 @@ The file reads bottom-up in four layers, as flash-attn's interface does:
    ``q, k, v, o, lse`` (``lse`` is all the backward needs to recompute the
    softmax: nothing N×N is stored) and calls the backward op.
 4. **Public function** :func:`attention`: checks the arguments, returns ``o``.
+   In eager mode it calls the raw layer through a plain
+   ``torch.autograd.Function`` (:class:`_Attention`): the custom op's Python
+   dispatch costs tens of µs per call, more than the kernel at small shapes.
+   Under ``torch.compile`` (and for anyone calling the ops) the custom ops run
+   — the same raw calls, so both routes compute the same bits.
 
 Tensors, by where nbflash runs:
 
-* **GPU** (CUDA tensors).  The forward hands the kernel *descriptors* of the
-  tensors — data pointer, shape, strides in bytes, dtype
+* **GPU** (CUDA tensors).  Forward and backward hand the kernels
+  *descriptors* of the tensors — data pointer, shape, strides in bytes, dtype
   (:class:`nbflash._launch.ArrayArg`) — straight from tensor metadata, and
-  allocates ``o`` and ``lse`` with ``torch.empty``: no DLPack, no CuPy, and one
-  ``cuLaunchKernel`` (:mod:`nbflash._launch`).  The backward goes through
-  :func:`nbflash.api.backward_arrays` on CuPy views built from the same
-  metadata (zero copy, without ``cupy.from_dlpack``'s cost), and every
-  allocation it makes — outputs and scratch — is a ``torch.empty`` on the
-  tensors' device.  So PyTorch's caching allocator owns all memory and the
+  allocate outputs and scratch with ``torch.empty``: zero copy as through
+  DLPack, but without its tens of µs per tensor, no CuPy, and one
+  ``cuLaunchKernel`` per kernel (:mod:`nbflash._launch`).  Kernel choice
+  (tensor cores or SIMT) is :func:`nbflash.api.plan_forward` /
+  :func:`~nbflash.api.plan_backward`, as for CuPy arrays.  So PyTorch's caching allocator owns all memory and the
   outputs are ordinary PyTorch tensors (``record_stream``, CUDA graphs and
   memory statistics work on them).  Kernels run on PyTorch's current stream
   of that device (its raw handle), with no synchronisation: ordered after the
@@ -57,12 +61,13 @@ non-differentiable), and mixing devices.
 from __future__ import annotations
 
 import contextlib
-import weakref
 
 import numpy as np
 import torch
 
 from . import api as _api
+from . import backward as _bwd
+from . import backward_tc as _bwd_tc
 from . import forward as _fwd
 from . import forward_tc as _tc
 from ._device import SIMULATOR
@@ -81,13 +86,8 @@ _NP_DTYPE = {
 }
 _ITEMSIZE = {t: d.itemsize for t, d in _NP_DTYPE.items()}
 
-#: Output arrays' dtypes back to tensors' (uint16 only ever holds bfloat16 bits).
-_TORCH_DTYPE = {
-    np.dtype(np.float16): torch.float16,
-    np.dtype(np.uint16): torch.bfloat16,
-    np.dtype(np.float32): torch.float32,
-    np.dtype(np.float64): torch.float64,
-}
+#: The backward's scratch (delta, lse2, the dq accumulator) as tensors.
+_SCRATCH_DTYPE = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
 
 
 # ----------------------------------------------------------------------------
@@ -255,83 +255,14 @@ def _gpu_forward(q, k, v, causal: bool, scale: float, layout: str, B: int, H: in
         kind = "bfloat16" if q.dtype == torch.bfloat16 else str(q.dtype).removeprefix("torch.")
         plan = _api.plan_forward(D, kind, scale, *arrays[:3], backend)
         if plan.backend == "tensor_core":
-            _tc.launch_forward_tc(plan.config, *arrays, lse_arg, scale, bool(causal), stream=_raw_stream(index))
+            _tc.launch_forward_tc(
+                plan.config, *arrays, lse_arg, scale, bool(causal), stream=_raw_stream(index), check=False
+            )
         else:
             _fwd.launch_forward(
                 plan.config, *arrays, lse_arg, scale, bool(causal), trace=trace, stream=_raw_stream(index)
             )
     return o, lse
-
-
-def _cupy():
-    """CuPy, which carries the backward's arrays through nbflash.api on the GPU."""
-    try:
-        import cupy
-    except ImportError as e:  # pragma: no cover - depends on the installation
-        raise ImportError("nbflash.torch on the GPU needs CuPy: pip install 'nbflash[cu12]' (or [cu13])") from e
-    return cupy
-
-
-class _TorchMemory:
-    """A CuPy allocator whose every allocation is a ``torch.empty`` on one device.
-
-    CuPy then allocates nothing of its own: the memory comes from PyTorch's
-    caching allocator, on PyTorch's current stream (which is the stream the
-    kernels run on), and returns to it when the last user lets go.
-    """
-
-    def __init__(self, device: torch.device):
-        self.cupy = _cupy()
-        self.device = device
-        self.buffers: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-
-    def __call__(self, nbytes: int):
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        self.buffers[buf.data_ptr()] = buf
-        # The CuPy memory keeps `buf` (and so the block) alive as long as it lives.
-        mem = self.cupy.cuda.UnownedMemory(buf.data_ptr(), nbytes, buf, self.device.index)
-        return self.cupy.cuda.MemoryPointer(mem, 0)
-
-    def tensor(self, a) -> torch.Tensor:
-        """The output array ``a`` as a tensor on the storage that :meth:`__call__` allocated for it."""
-        dtype = _TORCH_DTYPE[np.dtype(a.dtype)]
-        buf = self.buffers.get(a.data.mem.ptr)
-        if buf is None:  # not allocated through us (never expected): share it through DLPack
-            t = torch.from_dlpack(a)
-            return t.view(dtype) if dtype == torch.bfloat16 else t
-        itemsize = a.itemsize
-        offset = (a.data.ptr - buf.data_ptr()) // itemsize
-        strides = [s // itemsize for s in a.strides]
-        return torch.empty(0, dtype=dtype, device=self.device).set_(buf.untyped_storage(), offset, a.shape, strides)
-
-
-def _cupy_view(cupy, t: torch.Tensor):
-    """A CuPy array on ``t``'s memory (bfloat16 as uint16 bits), built from its pointer and strides.
-
-    ``cupy.from_dlpack`` would cost tens of µs per tensor; this is the same
-    zero-copy view from metadata.  The view holds ``t`` (so its memory) alive.
-    """
-    arg = _describe(t)
-    extent = arg.itemsize + sum((n - 1) * s for n, s in zip(arg.shape, arg.strides, strict=True) if n > 0)
-    mem = cupy.cuda.UnownedMemory(arg.ptr, extent, t, t.device.index)
-    return cupy.ndarray(arg.shape, arg.dtype, cupy.cuda.MemoryPointer(mem, 0), arg.strides)
-
-
-def _run_gpu(entry, tensors, **kwargs):
-    """Call the array-level ``entry`` on CuPy views of CUDA ``tensors``, allocating through PyTorch.
-
-    The launch goes on PyTorch's current stream (its raw handle); the outputs
-    come back as tensors on the storage PyTorch's allocator gave them.
-    """
-    cupy = _cupy()
-    tensors = [_kernel_view(t) for t in tensors]
-    bf16 = any(t.dtype == torch.bfloat16 for t in tensors)
-    device = tensors[0].device
-    memory = _TorchMemory(device)
-    with _on_device(device.index), cupy.cuda.using_allocator(memory):
-        arrays = [_cupy_view(cupy, t) for t in tensors]
-        outs = entry(*arrays, bf16_bits=bf16, stream=_raw_stream(device.index), **kwargs)
-        return tuple(memory.tensor(a) for a in outs)
 
 
 def _flash_fwd(q, k, v, causal: bool, scale: float | None, layout: str, backend: str = "auto"):
@@ -345,19 +276,98 @@ def _flash_fwd(q, k, v, causal: bool, scale: float | None, layout: str, backend:
     return _gpu_forward(q, k, v, causal, scale_, layout, B, H, Nq, D, backend)
 
 
+def _check_backward(do, q, o, lse, layout):
+    """``do`` and ``o`` shaped like ``q``, ``lse`` ``(B, H, Nq)`` of the forward's dtype: the custom op is public."""
+    for name, t in (("do", do), ("o", o)):
+        if t.shape != q.shape:
+            raise ValueError(f"{name} must have the shape of q {tuple(q.shape)}, got {tuple(t.shape)}")
+    B, H, Nq = _seqlen_heads(q, layout)
+    expected = _lse_dtype(q.dtype)
+    if lse.dtype != expected:
+        raise TypeError(f"lse must have dtype {str(expected).removeprefix('torch.')} (the forward's), got {lse.dtype}")
+    if lse.shape != (B, H, Nq):
+        raise ValueError(f"lse must have shape {(B, H, Nq)} (the forward's), got {tuple(lse.shape)}")
+
+
+def _gpu_backward(do, q, k, v, o, lse, causal: bool, scale: float, layout: str, deterministic, backend: str):
+    """``(dq, dk, dv)`` on the GPU, like :func:`_gpu_forward`: outputs and scratch from ``torch.empty``,
+    kernels launched on descriptors on PyTorch's current stream."""
+    index = q.device.index
+    with _on_device(index):
+        do, q, k, v, o = (_kernel_view(t) for t in (do, q, k, v, o))
+        grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
+        arrays = [_describe(t) for t in (do, q, k, v, o, *grads)]
+        if layout == "bshd":
+            arrays = [a.permute((0, 2, 1, 3)) for a in arrays]
+        cdo, cq, ck, cv, co, cdq, cdk, cdv = arrays
+        kind = "bfloat16" if q.dtype == torch.bfloat16 else str(q.dtype).removeprefix("torch.")
+        plan = _api.plan_backward(q.shape[3], kind, scale, cdo, cq, ck, cv, co, backend)
+        if deterministic is None:  # the measured faster dQ route of each backend (nbflash.attention_backward)
+            deterministic = plan.backend == "tensor_core"
+        scratch = []  # alive until the launches are queued; then back to the caching allocator, stream-ordered
+
+        def empty(shape, dtype):
+            t = torch.empty(shape, dtype=_SCRATCH_DTYPE[np.dtype(dtype)], device=q.device)
+            scratch.append(t)
+            return _describe(t)
+
+        stream = _raw_stream(index)
+        if plan.backend == "tensor_core":
+            _bwd_tc.launch_backward_tc(
+                plan.config,
+                cdo,
+                cq,
+                ck,
+                cv,
+                co,
+                _describe(lse),
+                cdq,
+                cdk,
+                cdv,
+                scale,
+                bool(causal),
+                deterministic=bool(deterministic),
+                stream=stream,
+                empty=empty,
+            )
+        else:
+            _bwd.launch_backward(
+                plan.config,
+                cq,
+                ck,
+                cv,
+                co,
+                cdo,
+                _describe(lse),
+                cdq,
+                cdk,
+                cdv,
+                scale,
+                bool(causal),
+                deterministic=bool(deterministic),
+                stream=stream,
+                empty=empty,
+            )
+    return tuple(grads)
+
+
 def _flash_bwd(do, q, k, v, o, lse, causal: bool, scale: float | None, layout: str, backend: str = "auto"):
     """``(dq, dk, dv)`` from the backward kernels, each contiguous in ``layout``."""
     names = ("do", "q", "k", "v", "o", "lse")
     _check_tensors(names, (do, q, k, v, o, lse), ("q", "k", "v", "o", "do"))
-    # dq by atomics (fastest) unless the caller asked PyTorch for deterministic algorithms.
-    run = _run_simulator if SIMULATOR else _run_gpu
-    outs = run(
+    _, _, _, _, scale_ = _check_problem(q, k, v, causal, scale, layout)
+    _check_backward(do, q, o, lse, layout)
+    # dq by the faster route of the chosen kernels, unless the caller asked PyTorch for deterministic algorithms.
+    deterministic = True if torch.are_deterministic_algorithms_enabled() else None
+    if not SIMULATOR:
+        return _gpu_backward(do, q, k, v, o, lse, causal, scale_, layout, deterministic, backend)
+    outs = _run_simulator(
         _api.backward_arrays,
         (do, q, k, v, o, lse),
         causal=causal,
         scale=scale,
         layout=layout,
-        deterministic=torch.are_deterministic_algorithms_enabled(),
+        deterministic=deterministic,
         backend=backend,
     )
     # The fake implementation promises contiguous outputs; torch.compile relies on it.
@@ -435,6 +445,24 @@ def _backward(ctx, do, dlse):
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _Attention(torch.autograd.Function):
+    """Eager-mode autograd over the raw calls: what the custom ops do, minus their dispatch cost."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, layout, backend):
+        o, lse = _flash_fwd(q, k, v, causal, scale, layout, backend)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = (causal, scale, layout, backend)
+        return o
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _flash_bwd(do, q, k, v, o, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None
+
+
 # ----------------------------------------------------------------------------
 # 4. The public function
 # ----------------------------------------------------------------------------
@@ -497,9 +525,11 @@ def attention(
     output and the float32 log-sum-exp per query row, which is saved for the
     backward along with ``q, k, v, o``.  Backward: the softmax is recomputed
     tile by tile from that log-sum-exp — five matrix products to the forward's
-    two; dq is added with float32 atomics, so its last bits may differ from run
-    to run.  Under ``torch.use_deterministic_algorithms(True)`` dq gets its own
-    kernel instead (two more matrix products, the same bits on every run).
+    two.  dq comes from whichever route was measured faster for the kernels in
+    use (see :func:`nbflash.attention_backward`): float32 atomics for SIMT (its
+    last bits may differ from run to run), its own kernel for tensor cores.
+    Under ``torch.use_deterministic_algorithms(True)`` it always gets its own
+    kernel (two more matrix products, the same bits on every run).
     bfloat16 is read as raw bits: no conversion pass.  Any view whose last
     axis is contiguous is read in place; a strided last axis costs one copy
     (of that input, or of the incoming gradient).
@@ -515,8 +545,10 @@ def attention(
         scale = check_scale(scale, q.shape[-1])
     if backend not in _api.BACKENDS:
         raise ValueError(f"backend must be one of {_api.BACKENDS}, got {backend!r}")
-    o, _ = attention_fwd(q, k, v, causal, scale, layout, backend)
-    return o
+    if torch.compiler.is_compiling():
+        o, _ = attention_fwd(q, k, v, causal, scale, layout, backend)
+        return o
+    return _Attention.apply(q, k, v, causal, scale, layout, backend)
 
 
 __all__ = ["DTYPES", "attention", "attention_bwd", "attention_fwd"]

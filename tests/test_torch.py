@@ -321,7 +321,7 @@ def _qkv(dtype=torch.float32, nq=3, nk=4, d=2, device=DEV):
 def test_error_not_a_tensor(no_launch):
     q, k, v = _qkv()
     with pytest.raises(TypeError, match="v must be a torch.Tensor, got numpy.ndarray"):
-        nbt.attention(q, k, v.numpy())
+        nbt.attention(q, k, v.detach().cpu().numpy())
 
 
 def test_error_unsupported_dtype(no_launch):
@@ -397,17 +397,20 @@ def test_error_backward_op_dtypes(no_launch):
 # ----------------------------------------------------------------------------
 
 
-def cuda_spy(monkeypatch, name):
-    """Record the CuPy pointers nbflash.api.<name> receives and returns."""
+def backward_launch_spy(monkeypatch):
+    """Record the descriptors the bridge's GPU backward launches its kernels on: (do, q, k, v, o) and (dq, dk, dv)."""
     calls = []
-    real = getattr(nbflash.api, name)
 
-    def wrapper(*arrays, **kwargs):
-        out = real(*arrays, **kwargs)
-        calls.append(([a.data.ptr for a in arrays], [a.data.ptr for a in out], kwargs))
-        return out
+    def tc(cfg, do, q, k, v, o, lse, dq, dk, dv, *args, real=nbt._bwd_tc.launch_backward_tc, **kwargs):
+        calls.append(([a.ptr for a in (do, q, k, v, o)], [a.ptr for a in (dq, dk, dv)], kwargs))
+        return real(cfg, do, q, k, v, o, lse, dq, dk, dv, *args, **kwargs)
 
-    monkeypatch.setattr(nbflash.api, name, wrapper)
+    def simt(cfg, q, k, v, o, do, lse, dq, dk, dv, *args, real=nbt._bwd.launch_backward, **kwargs):
+        calls.append(([a.ptr for a in (do, q, k, v, o)], [a.ptr for a in (dq, dk, dv)], kwargs))
+        return real(cfg, q, k, v, o, do, lse, dq, dk, dv, *args, **kwargs)
+
+    monkeypatch.setattr(nbt._bwd_tc, "launch_backward_tc", tc)
+    monkeypatch.setattr(nbt._bwd, "launch_backward", simt)
     return calls
 
 
@@ -429,7 +432,7 @@ def launch_spy(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_gpu_zero_copy_and_torch_owned_outputs(monkeypatch, dtype):
     fwd = launch_spy(monkeypatch)
-    bwd = cuda_spy(monkeypatch, "backward_arrays")
+    bwd = backward_launch_spy(monkeypatch)
     qkv = torch.randn(2, 200, 3, 4, 64, device="cuda", dtype=dtype)
     q, k, v = (qkv[:, :, i].requires_grad_() for i in range(3))  # bshd slices: no copies
     torch.cuda.synchronize()
@@ -556,7 +559,8 @@ def test_gpu_second_device():
 
 
 def test_deterministic_follows_torch_setting(monkeypatch):
-    """dq by atomics by default; its own kernel under torch.use_deterministic_algorithms(True)."""
+    """dq by the backend's faster route by default (None); its own kernel under
+    torch.use_deterministic_algorithms(True)."""
     if not nbflash.SIMULATOR:
         pytest.skip("spies on the NumPy bridge")
     bwd = spy(monkeypatch, "backward_arrays")
@@ -564,7 +568,7 @@ def test_deterministic_follows_torch_setting(monkeypatch):
     for flag in (False, True):
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda flag=flag: flag)
         nbt.attention(q, k, v, causal=True).sum().backward()
-    assert [call[2]["deterministic"] for call in bwd] == [False, True]
+    assert [call[2]["deterministic"] for call in bwd] == [None, True]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
