@@ -215,8 +215,9 @@ def attention_backward(
             bf16/fp16): there the atomics of dQ cost more than recomputing S
             and P in a second kernel.
         backend: ``"auto"`` (the tensor-core backward of
-            :mod:`nbflash.backward_tc` for float16/bfloat16 at head dim 64 or
-            128 on an sm_80+ GPU, the SIMT one otherwise), ``"simt"`` or
+            :mod:`nbflash.backward_tc` for float16/bfloat16 at head dims that
+            are multiples of 16 up to 128 on an sm_80+ GPU, the SIMT one
+            otherwise), ``"simt"`` or
             ``"tensor_core"``; independent of the forward's backend (both read
             and write the same ``o`` and ``lse``).
 
@@ -272,7 +273,7 @@ def backward_arrays(
 
 def plan_backward(head_dim: int, input_kind: str, scale: float, do, q, k, v, o, backend: str = "auto") -> Plan:
     """Choose the backward kernels for validated inputs (canonical views or descriptors): the rule of
-    :func:`plan_forward`, with the tensor-core backward's own constraints (head dim 64 or 128 on a GPU)."""
+    :func:`plan_forward`, with the tensor-core backward's own constraints (head dim a multiple of 16 up to 128)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     simt = _bwd.choose_config(head_dim, input_kind)

@@ -693,11 +693,13 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
     """
     if simulator:
         return TCBackwardConfig(16, 32, head_dim, input_kind, kv_in_registers=head_dim != 32)
-    if head_dim not in (64, 128):
-        raise ValueError(f"the tensor-core backward supports head_dim 64 or 128, got {head_dim}")
-    if head_dim == 64:
-        return TCBackwardConfig(64, 64, 64, input_kind, kv_in_registers=True)
-    return TCBackwardConfig(32, 64, 128, input_kind, kv_in_registers=False)
+    if head_dim % 16 or not 0 < head_dim <= 128:
+        raise ValueError(
+            f"the tensor-core backward supports head dims that are multiples of 16 up to 128, got {head_dim}"
+        )
+    if head_dim <= 64:
+        return TCBackwardConfig(64, 64, head_dim, input_kind, kv_in_registers=True)
+    return TCBackwardConfig(32, 64, head_dim, input_kind, kv_in_registers=False)
 
 
 def _data_address(a) -> int:
@@ -834,7 +836,7 @@ def compile_targets():
 
     Steps 0 and 2' are the SIMT kernels of :mod:`nbflash.backward`, covered by its own compile targets.
     """
-    cfgs = [choose_config(d, kind, simulator=False) for d in (64, 128) for kind in ("float16", "bfloat16")]
+    cfgs = [choose_config(d, kind, simulator=False) for d in (32, 64, 96, 128) for kind in ("float16", "bfloat16")]
     return [
         (f"flash_backward_{name}_tc", cfg, _kernel(cfg, name), kernel_signature(cfg, name), True)
         for cfg in cfgs

@@ -245,11 +245,11 @@ def test_backward_tc_compiles_for_sm80_sm90_in_registers():
         out, err = p.communicate(timeout=900)
         assert p.returncode == 0, err[-4000:]
         rows += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    assert len(rows) == 2 * 12  # sm_80, sm_90 × (D 64, 128) × (float16, bfloat16) × 3 kernels
+    assert len(rows) == 2 * len(T.compile_targets())  # sm_80, sm_90 × head dims × (float16, bfloat16) × 3 kernels
     for row in sorted(rows, key=lambda r: (r["kernel"], r["head_dim"], r["kind"], r["sm"])):
         print(row)
         assert row["local"] == 0, row  # every register array really is in registers
-        if row["head_dim"] == 128 and row["kernel"] != "flash_backward_dq_tc":
+        if row["head_dim"] > 64 and row["kernel"] != "flash_backward_dq_tc":
             # Known: at D = 128 the 128 float32 accumulators of dK_j and dV_j leave ptxas a few registers
             # short for bfloat16 (16-144 bytes spilled, depending on the kernel and sm).  Bounded, not hidden.
             assert row["spill_bytes"] <= 256, row
