@@ -6,6 +6,8 @@
 
 **Providers** (:data:`PROVIDERS`; a later kernel is one more entry):
 
+* ``nbflash-tc``: nbflash's tensor-core kernels (``mma.sync``; fp16/bf16; dQ by its own kernel, the
+  default for them).
 * ``nbflash-simt``: nbflash's fused SIMT kernels (fp32 arithmetic whatever the input dtype).
   fp16/fp32 go through the array API (:func:`nbflash.attention`, :func:`nbflash.attention_backward`)
   on ``cupy.from_dlpack`` views of the PyTorch inputs (zero copy); bf16, which CuPy lacks, through
@@ -437,8 +439,10 @@ def saved_states(rt: Runtime, n: int, build: Callable[[int], Any]) -> list[Any]:
     return states
 
 
-def _nbflash_call(deterministic: bool | None) -> Callable[[Runtime, Config, list[Inputs]], tuple[Call, int]]:
-    """nbflash's array API for fp16/fp32, its PyTorch ops for bf16; ``deterministic=None``: the API's default."""
+def _nbflash_call(deterministic: bool | None, backend: str) -> Callable[[Runtime, Config, list[Inputs]],
+                                                                         tuple[Call, int]]:
+    """nbflash's array API for fp16/fp32, its PyTorch ops for bf16, forced to ``backend`` ("simt" or
+    "tensor_core"); ``deterministic=None``: the API's default dQ route for that backend."""
 
     def make_call(rt: Runtime, cfg: Config, sets: list[Inputs]) -> tuple[Call, int]:
         import nbflash
@@ -447,18 +451,18 @@ def _nbflash_call(deterministic: bool | None) -> Callable[[Runtime, Config, list
             import nbflash.torch as nbt
 
             def forward(q, k, v):
-                return nbt.attention_fwd(q, k, v, cfg.causal, None, "bhsd")
+                return nbt.attention_fwd(q, k, v, cfg.causal, None, "bhsd", backend)
 
             def backward(do, q, k, v, o, lse):  # dQ variant: torch.are_deterministic_algorithms_enabled()
-                return nbt.attention_bwd(do, q, k, v, o, lse, cfg.causal, None, "bhsd")
+                return nbt.attention_bwd(do, q, k, v, o, lse, cfg.causal, None, "bhsd", backend)
 
             def view(t):
                 return t
         else:
-            flags = {} if deterministic is None else {"deterministic": deterministic}
+            flags = {"backend": backend} | ({} if deterministic is None else {"deterministic": deterministic})
 
             def forward(q, k, v):
-                return nbflash.attention(q, k, v, causal=cfg.causal, return_lse=True)
+                return nbflash.attention(q, k, v, causal=cfg.causal, return_lse=True, backend=backend)
 
             def backward(do, q, k, v, o, lse):
                 return nbflash.attention_backward(do, q, k, v, o, lse, causal=cfg.causal, **flags)
@@ -487,8 +491,9 @@ def _nbflash_call(deterministic: bool | None) -> Callable[[Runtime, Config, list
     return make_call
 
 
-def _nbflash_unsupported(variant: bool) -> Callable[[Config], str | None]:
-    """Why nbflash cannot run ``cfg``; ``variant``: a backward-only entry whose forward is nbflash-simt's."""
+def _nbflash_unsupported(variant: bool, tensor_core: bool = False) -> Callable[[Config], str | None]:
+    """Why nbflash cannot run ``cfg``; ``variant``: a backward-only entry whose forward is nbflash-simt's;
+    ``tensor_core``: the constraints of the tensor-core kernels (nbflash.which_backend has the full rule)."""
 
     def unsupported(cfg: Config) -> str | None:
         import nbflash
@@ -499,6 +504,13 @@ def _nbflash_unsupported(variant: bool) -> Callable[[Config], str | None]:
             return "nbflash backward variant: its forward is nbflash-simt's"
         if cfg.head_dim > 256:
             return "nbflash: head dim > 256"
+        if tensor_core:
+            if cfg.dtype == "fp32":
+                return "nbflash tensor cores: float16 and bfloat16 only"
+            if cfg.head_dim % 8:
+                return "nbflash tensor cores: head dim must be a multiple of 8"
+            if cfg.pass_name != "forward" and (cfg.head_dim % 16 or cfg.head_dim > 128):
+                return "nbflash tensor-core backward: head dim a multiple of 16 up to 128"
         return None
 
     return unsupported
@@ -632,9 +644,11 @@ def _naive_call(rt: Runtime, cfg: Config, sets: list[Inputs]) -> tuple[Call, int
 PROVIDERS: dict[str, Provider] = {
     p.name: p
     for p in (
-        Provider("nbflash-simt", "nbflash SIMT", "nbflash", _nbflash_call(None), _nbflash_unsupported(False),
+        Provider("nbflash-tc", "nbflash tensor cores", "nbflash", _nbflash_call(None, "tensor_core"),
+                 _nbflash_unsupported(False, tensor_core=True), on_simulator=True),
+        Provider("nbflash-simt", "nbflash SIMT", "nbflash", _nbflash_call(None, "simt"), _nbflash_unsupported(False),
                  simt=True, on_simulator=True),
-        Provider("nbflash-simt-det", "nbflash SIMT, deterministic dQ", "nbflash", _nbflash_call(True),
+        Provider("nbflash-simt-det", "nbflash SIMT, deterministic dQ", "nbflash", _nbflash_call(True, "simt"),
                  _nbflash_unsupported(True), scope=_torch_deterministic, simt=True, on_simulator=True, default=False),
         Provider(**_sdpa("FLASH_ATTENTION")),
         Provider(**_sdpa("CUDNN_ATTENTION")),
