@@ -39,7 +39,7 @@ def plan_forward(head_dim: int, input_kind: str, scale: float, q, k, v, backend:
     simt = _simt.choose_config(head_dim, input_kind)
     if backend == "simt":
         return Plan("simt", simt, "requested")
-    why = ""
+    why, cfg = "", None
     if input_kind not in ("float16", "bfloat16"):
         why = f"the tensor cores take float16 and bfloat16, not {input_kind}"
     elif head_dim % 8:
@@ -49,15 +49,21 @@ def plan_forward(head_dim: int, input_kind: str, scale: float, q, k, v, backend:
     if not why:
         cfg = _tc.choose_config(head_dim, input_kind)
         ok, why = _tc.can_implement(cfg, q, k, v)
+    return _settle(backend, why, simt, cfg, "this call")
+
+
+def _settle(backend: str, why: str, simt, tc, what: str) -> Plan:
+    """The plan once the tensor-core constraints gave ``why`` ("" if they hold): on ``auto`` the GPU must also
+    be sm_80+; a forced ``tensor_core`` that cannot run raises, naming the reason."""
     if not why and backend == "auto":
         cc = compute_capability()
         if cc is None or cc < (8, 0):
             why = "the simulator has no tensor cores" if cc is None else f"compute capability {cc} < 8.0"
     if why:
         if backend == "tensor_core":
-            raise ValueError(f"backend='tensor_core' cannot run this call: {why}")
+            raise ValueError(f"backend='tensor_core' cannot run {what}: {why}")
         return Plan("simt", simt, why)
-    return Plan("tensor_core", cfg, "requested" if backend == "tensor_core" else "float16/bfloat16 on sm_80+")
+    return Plan("tensor_core", tc, "requested" if backend == "tensor_core" else "float16/bfloat16 on sm_80+")
 
 
 def which_backend(
@@ -289,15 +295,39 @@ def plan_backward(head_dim: int, input_kind: str, scale: float, do, q, k, v, o, 
             why = str(e)
     if not why:
         ok, why = _bwd_tc.can_implement(cfg, do, q, k, v, o)
-    if not why and backend == "auto":
-        cc = compute_capability()
-        if cc is None or cc < (8, 0):
-            why = "the simulator has no tensor cores" if cc is None else f"compute capability {cc} < 8.0"
-    if why:
-        if backend == "tensor_core":
-            raise ValueError(f"backend='tensor_core' cannot run this backward: {why}")
-        return Plan("simt", simt, why)
-    return Plan("tensor_core", cfg, "requested" if backend == "tensor_core" else "float16/bfloat16 on sm_80+")
+    return _settle(backend, why, simt, cfg, "this backward")
+
+
+def run_backward(
+    plan: Plan,
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    dq,
+    dk,
+    dv,
+    scale: float,
+    causal: bool,
+    *,
+    deterministic: bool | None,
+    stream,
+    empty=None,
+) -> None:
+    """Launch the backward kernels of ``plan`` on canonical views or descriptors, writing ``dq, dk, dv``.
+
+    ``deterministic=None``: the dQ route measured faster for the plan's kernels (see
+    :func:`attention_backward`); ``empty(shape, dtype)`` allocates the scratch (default: q's array module).
+    """
+    if deterministic is None:
+        deterministic = plan.backend == "tensor_core"
+    flags = dict(deterministic=bool(deterministic), stream=stream, empty=empty)
+    if plan.backend == "tensor_core":
+        _bwd_tc.launch_backward_tc(plan.config, do, q, k, v, o, lse, dq, dk, dv, scale, bool(causal), **flags)
+    else:
+        _bwd.launch_backward(plan.config, q, k, v, o, do, lse, dq, dk, dv, scale, bool(causal), **flags)
 
 
 def _backward(p: Problem, do, q, k, v, o, lse, *, deterministic: bool | None, stream, backend: str = "auto"):
@@ -305,46 +335,12 @@ def _backward(p: Problem, do, q, k, v, o, lse, *, deterministic: bool | None, st
     xp, layout = p.xp, p.layout
     cdo, cq, ck, cv, co = (canonical(a, layout) for a in (do, q, k, v, o))
     plan = plan_backward(p.head_dim, p.input_kind, p.scale, cdo, cq, ck, cv, co, backend)
-    if deterministic is None:  # the measured faster dQ route of each backend (see attention_backward)
-        deterministic = plan.backend == "tensor_core"
-    deterministic = bool(deterministic)
     dq, dk, dv = (xp.empty(a.shape, dtype=a.dtype) for a in (q, k, v))  # C-contiguous, in the caller's layout
     cdq, cdk, cdv = (canonical(a, layout) for a in (dq, dk, dv))
     stream = current_stream(xp) if stream is None else stream
-    if plan.backend == "tensor_core":
-        _bwd_tc.launch_backward_tc(
-            plan.config,
-            cdo,
-            cq,
-            ck,
-            cv,
-            co,
-            lse,
-            cdq,
-            cdk,
-            cdv,
-            p.scale,
-            p.causal,
-            deterministic=deterministic,
-            stream=stream,
-        )
-    else:
-        _bwd.launch_backward(
-            plan.config,
-            cq,
-            ck,
-            cv,
-            co,
-            cdo,
-            lse,
-            cdq,
-            cdk,
-            cdv,
-            p.scale,
-            p.causal,
-            deterministic=deterministic,
-            stream=stream,
-        )
+    run_backward(
+        plan, cdo, cq, ck, cv, co, lse, cdq, cdk, cdv, p.scale, p.causal, deterministic=deterministic, stream=stream
+    )
     return dq, dk, dv
 
 

@@ -66,8 +66,6 @@ import numpy as np
 import torch
 
 from . import api as _api
-from . import backward as _bwd
-from . import backward_tc as _bwd_tc
 from . import forward as _fwd
 from . import forward_tc as _tc
 from ._device import SIMULATOR
@@ -302,8 +300,6 @@ def _gpu_backward(do, q, k, v, o, lse, causal: bool, scale: float, layout: str, 
         cdo, cq, ck, cv, co, cdq, cdk, cdv = arrays
         kind = "bfloat16" if q.dtype == torch.bfloat16 else str(q.dtype).removeprefix("torch.")
         plan = _api.plan_backward(q.shape[3], kind, scale, cdo, cq, ck, cv, co, backend)
-        if deterministic is None:  # the measured faster dQ route of each backend (nbflash.attention_backward)
-            deterministic = plan.backend == "tensor_core"
         scratch = []  # alive until the launches are queued; then back to the caching allocator, stream-ordered
 
         def empty(shape, dtype):
@@ -311,43 +307,23 @@ def _gpu_backward(do, q, k, v, o, lse, causal: bool, scale: float, layout: str, 
             scratch.append(t)
             return _describe(t)
 
-        stream = _raw_stream(index)
-        if plan.backend == "tensor_core":
-            _bwd_tc.launch_backward_tc(
-                plan.config,
-                cdo,
-                cq,
-                ck,
-                cv,
-                co,
-                _describe(lse),
-                cdq,
-                cdk,
-                cdv,
-                scale,
-                bool(causal),
-                deterministic=bool(deterministic),
-                stream=stream,
-                empty=empty,
-            )
-        else:
-            _bwd.launch_backward(
-                plan.config,
-                cq,
-                ck,
-                cv,
-                co,
-                cdo,
-                _describe(lse),
-                cdq,
-                cdk,
-                cdv,
-                scale,
-                bool(causal),
-                deterministic=bool(deterministic),
-                stream=stream,
-                empty=empty,
-            )
+        _api.run_backward(
+            plan,
+            cdo,
+            cq,
+            ck,
+            cv,
+            co,
+            _describe(lse),
+            cdq,
+            cdk,
+            cdv,
+            scale,
+            causal,
+            deterministic=deterministic,
+            stream=_raw_stream(index),
+            empty=empty,
+        )
     return tuple(grads)
 
 

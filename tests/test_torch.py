@@ -312,7 +312,8 @@ def no_launch(monkeypatch):
     # Both forward kernels, patched on their modules: nbflash.api and the bridge's GPU route look them up there.
     monkeypatch.setattr(nbflash.forward, "launch_forward", refuse)
     monkeypatch.setattr(nbflash.forward_tc, "launch_forward_tc", refuse)
-    monkeypatch.setattr(nbflash.api._bwd, "launch_backward", refuse)
+    monkeypatch.setattr(nbflash.backward, "launch_backward", refuse)
+    monkeypatch.setattr(nbflash.backward_tc, "launch_backward_tc", refuse)
 
 
 def _qkv(dtype=torch.float32, nq=3, nk=4, d=2, device=DEV):
@@ -402,16 +403,16 @@ def backward_launch_spy(monkeypatch):
     """Record the descriptors the bridge's GPU backward launches its kernels on: (do, q, k, v, o) and (dq, dk, dv)."""
     calls = []
 
-    def tc(cfg, do, q, k, v, o, lse, dq, dk, dv, *args, real=nbt._bwd_tc.launch_backward_tc, **kwargs):
+    def tc(cfg, do, q, k, v, o, lse, dq, dk, dv, *args, real=nbflash.backward_tc.launch_backward_tc, **kwargs):
         calls.append(([a.ptr for a in (do, q, k, v, o)], [a.ptr for a in (dq, dk, dv)], kwargs))
         return real(cfg, do, q, k, v, o, lse, dq, dk, dv, *args, **kwargs)
 
-    def simt(cfg, q, k, v, o, do, lse, dq, dk, dv, *args, real=nbt._bwd.launch_backward, **kwargs):
+    def simt(cfg, q, k, v, o, do, lse, dq, dk, dv, *args, real=nbflash.backward.launch_backward, **kwargs):
         calls.append(([a.ptr for a in (do, q, k, v, o)], [a.ptr for a in (dq, dk, dv)], kwargs))
         return real(cfg, q, k, v, o, do, lse, dq, dk, dv, *args, **kwargs)
 
-    monkeypatch.setattr(nbt._bwd_tc, "launch_backward_tc", tc)
-    monkeypatch.setattr(nbt._bwd, "launch_backward", simt)
+    monkeypatch.setattr(nbflash.backward_tc, "launch_backward_tc", tc)
+    monkeypatch.setattr(nbflash.backward, "launch_backward", simt)
     return calls
 
 
