@@ -84,8 +84,12 @@ Status: correct in the Numba simulator (tests/test_backward_tc.py) and
 compiles for sm_80/sm_90 with no local memory; ptxas reports 225-255
 registers for dK/dV and 166 (D=64) / 238 (D=128) for dQ, no spills except
 the D=128 bfloat16 dK/dV kernels (16-144 bytes: the 128 float32 accumulators
-of dK_j, dV_j leave it a few registers short).  Not yet run or measured on a
-GPU, and not wired into :func:`nbflash.attention_backward`.
+of dK_j, dV_j leave it a few registers short).  On the H200, checked against
+float64 (flash-attn rule) and timed next to SDPA's flash backward
+(``benchmarks/tc_backward.py``, ``docs/performance.md``): with deterministic dQ
+142–186 TFLOP/s at D = 64 and 127–158 at D = 128 (0.52–0.82× FlashAttention-2);
+the atomic dQ route is slower (98–126).  :func:`nbflash.attention_backward`
+runs it for float16/bfloat16 (``backend=``).
 """
 
 from __future__ import annotations
@@ -672,13 +676,15 @@ def dq_tc_kernel(cfg: TCBackwardConfig):
 
 @functools.cache
 def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR) -> TCBackwardConfig:
-    """A starting configuration (not yet tuned on a GPU): 4 warps, 64 stationary rows.
+    """The configuration for a head dim (a multiple of 16 up to 128): 4 warps, 64 stationary rows.
+
+    Not tuned by a sweep yet (the H200 figures in docs/performance.md are for these tiles).
 
     ================  ===================================  ==========================================
     head dim          dK/dV: keys × queries per tile        registers per warp row (fp32 values)
     ================  ===================================  ==========================================
-    64                64 × 64, K/V fragments in registers   dK, dV 64 + Sᵀ, dPᵀ 64 + K, V 32
-    128               64 × 32, K/V re-read by ldmatrix      dK, dV 128 + Sᵀ, dPᵀ 32
+    ≤ 64              64 × 64, K/V fragments in registers   dK, dV 64 + Sᵀ, dPᵀ 64 + K, V 32  (D = 64)
+    ≤ 128             64 × 32, K/V re-read by ldmatrix      dK, dV 128 + Sᵀ, dPᵀ 32           (D = 128)
     ================  ===================================  ==========================================
 
     At D = 128 the K and V fragments would take 64 more registers per thread
