@@ -60,6 +60,18 @@ def array_module(x):
     return None
 
 
+def data_address(a) -> int:
+    """The address of ``a``'s first element: a kernel argument descriptor (``nbflash._launch.ArrayArg``),
+    a CuPy array, or anything with the (CUDA) array interface (NumPy in the simulator)."""
+    ptr = getattr(a, "ptr", None)  # a descriptor
+    if ptr is None:
+        ptr = getattr(getattr(a, "data", None), "ptr", None)  # CuPy
+    if ptr is None:
+        iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
+        ptr = iface["data"][0]
+    return int(ptr)
+
+
 def _expected_array() -> str:
     return "a NumPy array (the CUDA simulator is active)" if SIMULATOR else "a CuPy array on a CUDA GPU"
 

@@ -104,7 +104,7 @@ from . import backward as bw
 from . import intrinsics as I
 from ._device import SIMULATOR, cuda, device_function, kernel, launch, max_shared_per_block, numba
 from ._tiles import LOG2E, make_storer
-from ._validate import array_module
+from ._validate import array_module, data_address
 from .masking import d_key_range, d_query_range, d_row_key_end, d_tile_needs_mask
 
 __all__ = [
@@ -708,14 +708,6 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
     return TCBackwardConfig(32, 64, head_dim, input_kind, kv_in_registers=False)
 
 
-def _data_address(a) -> int:
-    """The address of ``a``'s first element (a kernel argument descriptor, NumPy or CuPy array)."""
-    if hasattr(a, "ptr"):  # nbflash._launch.ArrayArg
-        return int(a.ptr)
-    iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
-    return int(iface["data"][0])
-
-
 def can_implement(cfg: TCBackwardConfig, *arrays) -> tuple[bool, str]:
     """Will this configuration launch on these arrays (do, q, k, v, then optionally o, dq, dk, dv)?  ``(ok, reason)``.
 
@@ -738,7 +730,7 @@ def can_implement(cfg: TCBackwardConfig, *arrays) -> tuple[bool, str]:
             return False, f"{name} must be contiguous along the head dim (cp.async copies 16-byte rows)"
         if any(s % 16 for s in a.strides[:-1]):
             return False, f"{name}'s strides {a.strides} are not multiples of 16 bytes"
-        if _data_address(a) % 16:
+        if data_address(a) % 16:
             return False, f"{name} does not start at a 16-byte aligned address"
     return True, ""
 

@@ -63,6 +63,7 @@ import numpy as np
 from . import intrinsics as I
 from ._device import SIMULATOR, cuda, device_function, kernel, launch, max_shared_per_block, numba, shfl_xor
 from ._tiles import LN2, LOG2E, make_storer
+from ._validate import data_address
 from .masking import d_key_range, d_row_key_end, d_tile_needs_mask
 
 __all__ = [
@@ -479,20 +480,9 @@ def can_implement(cfg: TCConfig, *arrays) -> tuple[bool, str]:
             return False, f"{name} must be contiguous along the head dim (cp.async copies 16-byte rows)"
         if (strides[0] | strides[1] | strides[2]) & 15:
             return False, f"{name}'s strides {strides} are not multiples of 16 bytes"
-        if _address(a) & 15:
+        if data_address(a) & 15:
             return False, f"{name}'s data pointer is not 16-byte aligned"
     return True, ""
-
-
-def _address(a) -> int:
-    """The address of ``a``'s first element (a descriptor, CuPy, NumPy, or any CUDA array interface)."""
-    ptr = getattr(a, "ptr", None)  # a kernel argument descriptor (nbflash._launch.ArrayArg)
-    if ptr is None:
-        ptr = getattr(getattr(a, "data", None), "ptr", None)  # CuPy
-    if ptr is None:
-        iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
-        ptr = iface["data"][0]
-    return ptr
 
 
 def launch_forward_tc(cfg: TCConfig, q, k, v, o, lse, scale: float, causal: bool, stream=0, check: bool = True):
