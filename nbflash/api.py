@@ -318,14 +318,19 @@ def run_backward(
 ) -> None:
     """Launch the backward kernels of ``plan`` on canonical views or descriptors, writing ``dq, dk, dv``.
 
+    ``plan`` must come from :func:`plan_backward` on these same ``do, q, k, v, o`` (its checks are not
+    repeated), and ``dq, dk, dv`` be fresh arrays of q's, k's, v's shape and dtype.
+
     ``deterministic=None``: the dQ route measured faster for the plan's kernels (see
     :func:`attention_backward`); ``empty(shape, dtype)`` allocates the scratch (default: q's array module).
     """
     if deterministic is None:
         deterministic = plan.backend == "tensor_core"
     flags = dict(deterministic=bool(deterministic), stream=stream, empty=empty)
-    if plan.backend == "tensor_core":
-        _bwd_tc.launch_backward_tc(plan.config, do, q, k, v, o, lse, dq, dk, dv, scale, bool(causal), **flags)
+    if plan.backend == "tensor_core":  # the plan checked do, q, k, v, o; dq, dk, dv are the caller's fresh arrays
+        _bwd_tc.launch_backward_tc(
+            plan.config, do, q, k, v, o, lse, dq, dk, dv, scale, bool(causal), check=False, **flags
+        )
     else:
         _bwd.launch_backward(plan.config, q, k, v, o, do, lse, dq, dk, dv, scale, bool(causal), **flags)
 

@@ -751,6 +751,7 @@ def launch_backward_tc(
     deterministic: bool = True,
     stream=0,
     empty=None,
+    check: bool = True,
 ):
     """Run steps 0–2 on canonical ``(B, H, N, D)`` views (float16, or bfloat16 as uint16), writing dq, dk, dv.
 
@@ -759,9 +760,11 @@ def launch_backward_tc(
     ``False``: dQ by float32 atomics inside the dK/dV kernel (step 1g) and the
     convert kernel (step 2').  ``empty(shape, dtype)`` allocates the scratch
     (default: the array module of ``q``); bridges that pass kernel argument
-    descriptors give their own.
+    descriptors give their own.  ``check=False`` skips :func:`can_implement`
+    for a caller that has just run it on the inputs and allocated the outputs
+    itself (nbflash.api's plan).
     """
-    ok, why = can_implement(cfg, do, q, k, v, o, dq, dk, dv)
+    ok, why = can_implement(cfg, do, q, k, v, o, dq, dk, dv) if check else (True, "")
     if not ok:
         raise ValueError(f"tensor-core backward configuration {cfg} cannot run: {why}")
     if empty is None:  # scratch from the inputs' array module
