@@ -111,7 +111,8 @@ def main(argv=None) -> None:
     dev = _launch.current_device()
     func = lz.devices[dev][0]
     print(f"\nlaunch parts: flatten {per_call_us(lambda: _launch._flatten(a), args.calls, csync):.2f} us")
-    print(f"prepared launcher (cuda.bindings) {per_call_us(lambda: lz(grid, block, 0, nbytes, values, dev), args.calls, csync):.2f} us")
+    bound = per_call_us(lambda: lz(grid, block, 0, nbytes, values, dev), args.calls, csync)
+    print(f"prepared launcher (cuda.bindings) {bound:.2f} us")
     lib = ctypes.CDLL("libcuda.so.1")
     f = lib.cuLaunchKernel
     f.restype = ctypes.c_int
