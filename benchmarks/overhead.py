@@ -17,7 +17,7 @@ Numba's dispatcher and nbflash's fast launcher (:mod:`nbflash._launch`) on the
 same forward kernel and CuPy arrays — the whole :func:`~nbflash._launch.launch`
 and its parts (describing the arguments; a prepared launcher's pack-and-launch,
 through ``extra`` and through ``kernelParams``); ``nbflash.attention`` on CuPy
-arrays (fp16, fp32); ``nbflash.torch.attention`` forward and forward+backward;
+arrays (fp16, fp32), and ``nbflash.attention_backward``; ``nbflash.torch.attention`` forward and forward+backward;
 PyTorch's ``scaled_dot_product_attention`` forward and forward+backward.
 
 Also measured, each in a fresh process: the first call of each configuration
@@ -129,6 +129,11 @@ def rows_cupy_and_launch(calls: int, warmup: int) -> list[dict]:
         q, k, v = (cp.random.standard_normal((B, H, N, D), dtype=np.float32).astype(dtype) for _ in range(3))
         name = np.dtype(dtype).name
         row(f"nbflash.attention cupy {name}", lambda q=q, k=k, v=v: nbflash.attention(q, k, v))
+        o_, lse_ = nbflash.attention(q, k, v, return_lse=True)
+        row(
+            f"nbflash.attention_backward cupy {name}",
+            lambda q=q, k=k, v=v, o=o_, lse=lse_: nbflash.attention_backward(q, q, k, v, o, lse),
+        )
 
         cfg = forward.choose_config(D, name)
         kern = forward.forward_kernel(cfg)

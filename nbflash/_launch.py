@@ -16,7 +16,7 @@ calls ``cuLaunchKernel`` (``cuda.bindings``), as CuPy's own launcher does.
 2. **Compile once per key** (:class:`Launcher`): the Numba signature is built
    from the key, ``dispatcher.compile(signature)`` compiles (or finds) the
    overload, the dynamic shared-memory limit is raised, and the compiled
-   kernel's ``CUkernel`` handle is taken, per device.
+   kernel's ``CUfunction`` in the device's context is taken, per device.
 3. **Pack and launch.**  Numba's kernel ABI flattens each argument into
    parameters (``numba.cuda.dispatcher._Kernel._prepare_args``)::
 
@@ -36,6 +36,12 @@ calls ``cuLaunchKernel`` (``cuda.bindings``), as CuPy's own launcher does.
    (the binding releases the GIL during the driver call); the driver copies
    the parameters before it returns, so nothing has to outlive the call.
 
+4. **Replay whole calls** (:class:`Recipe`).  A public call records the
+   launches it would make once per call signature, on placeholder pointers,
+   and then only substitutes its own pointers and packs (see the section
+   *Recipes* below): validation, kernel choice and argument description are
+   paid once per signature, not once per call.
+
 Launches go on the stream handle the caller gives (an ``int``: CuPy's or
 PyTorch's current stream), so they are ordered with the caller's work and can
 be captured into a CUDA graph.  A driver error raises :class:`LaunchError`.
@@ -47,6 +53,7 @@ GPU only: the simulator keeps Numba's own launch (``nbflash._device.launch``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import struct
@@ -335,7 +342,10 @@ class Launcher:
         func, limit = self.devices.get(device, (None, 0))
         if func is None or shared_bytes > limit:
             handle = _device.kernel_handle(self.dispatcher, self.argtypes, device, max(limit, shared_bytes))
-            func = _driver.CUfunction(handle)  # a CUkernel, launched as a CUfunction (the driver allows it)
+            # The context's own CUfunction of the CUkernel, so the driver need not look it up on every launch.
+            err, func = _driver.cuKernelGetFunction(_driver.CUkernel(handle))
+            if err:  # pragma: no cover - a CUkernel also launches as a CUfunction (the driver allows it)
+                func = _driver.CUfunction(handle)
             self.devices[device] = (func, max(limit, shared_bytes))
         return func
 
@@ -439,15 +449,171 @@ def launch(dispatcher, grid, block, stream: int, shared_bytes: int, args, device
     return True
 
 
+# ----------------------------------------------------------------------------
+# Recipes: the launches of one call signature, recorded once, replayed per call
+# ----------------------------------------------------------------------------
+#
+# A public call (``nbflash.attention`` and friends) validates its inputs,
+# chooses kernels, allocates scratch and then launches one to four kernels.
+# For a given *signature* — the inputs' types, shapes, strides, dtypes and
+# device, the flags, and whether the data pointers are 16-byte aligned — all
+# of that comes out the same every time; only the data pointers change.  So the
+# first call of a signature runs the launch functions in recording mode, with
+# placeholder pointers, and keeps what they would launch as a :class:`Recipe`;
+# every call of that signature (the first included) replays the recipe with
+# its real pointers: a list copy, a few integer stores, ``pack_into`` and
+# ``cuLaunchKernel`` per kernel.
+
+#: Placeholder pointers: ``(slot + 1) << PLACEHOLDER_SHIFT`` plus a byte offset.  Far above any real address
+#: (device pointers live below 2**57 on every current platform, and offsets stay below 2**52).
+PLACEHOLDER_SHIFT = 52
+_OFFSET_MASK = (1 << PLACEHOLDER_SHIFT) - 1
+
+
+def placeholder(slot: int) -> int:
+    """The placeholder pointer that stands for the ``slot``-th pointer of a recorded call."""
+    return (slot + 1) << PLACEHOLDER_SHIFT
+
+
+class _Recording(threading.local):
+    launches: list | None = None
+
+
+_recording = _Recording()
+
+
+def recording() -> list | None:
+    """The list launches are being recorded into on this thread, or None (then they run)."""
+    return _recording.launches
+
+
+@contextlib.contextmanager
+def record():
+    """Within the block, :func:`nbflash._device.launch` appends ``(dispatcher, grid, block, shared_bytes, args)``
+    to the yielded list instead of launching."""
+    saved = _recording.launches
+    _recording.launches = launches = []
+    try:
+        yield launches
+    finally:
+        _recording.launches = saved
+
+
+class Arena:
+    """The scratch allocator of a recorded call: ``empty(shape, dtype)`` carves C-contiguous pieces out of one
+    placeholder buffer (slot ``slot``), 256-byte aligned, so a replay allocates all scratch at once."""
+
+    ALIGN = 256
+
+    def __init__(self, slot: int):
+        self.base = placeholder(slot)
+        self.nbytes = 0
+
+    def __call__(self, shape, dtype) -> ArrayArg:
+        dtype = np.dtype(dtype)
+        shape = tuple(int(n) for n in shape)
+        strides, step = [], dtype.itemsize
+        for n in reversed(shape):
+            strides.append(step)
+            step *= n
+        arg = ArrayArg(self.base + self.nbytes, shape, tuple(reversed(strides)), dtype)
+        self.nbytes += -(-step // self.ALIGN) * self.ALIGN
+        return arg
+
+
+class Recipe:
+    """Recorded launches, replayable with real pointers: ``recipe(ptrs, stream, device)``.
+
+    ``ptrs[i]`` replaces placeholder slot ``i`` (plus each use's recorded byte
+    offset).  ``scratch_bytes``: the size of the arena the caller allocates and
+    passes as the last pointer (0: none).  Raises ``NotImplementedError`` at
+    construction if a launch has arguments the fast path cannot pass.
+    """
+
+    __slots__ = ("steps", "scratch_bytes")
+
+    def __init__(self, launches, scratch_bytes: int = 0):
+        steps = []
+        for dispatcher, grid, block, shared_bytes, args in launches:
+            key, values = _flatten(args)
+            run = None if key is None else launcher(dispatcher, key)
+            if run is None:
+                raise NotImplementedError(f"arguments of {dispatcher} the fast launch cannot pass")
+            slots = tuple(
+                (i, (v >> PLACEHOLDER_SHIFT) - 1, v & _OFFSET_MASK)
+                for i, v in enumerate(values)
+                if type(v) is int and v >= 1 << PLACEHOLDER_SHIFT
+            )
+            steps.append((run, _dim3(grid), _dim3(block), int(shared_bytes), values, slots))
+        self.steps = tuple(steps)
+        self.scratch_bytes = int(scratch_bytes)
+
+    def values(self, ptrs) -> list[list]:
+        """Each launch's parameter values with ``ptrs`` in place of the placeholders (what a replay packs)."""
+        out = []
+        for _, _, _, _, values, slots in self.steps:
+            vals = values.copy()
+            for i, slot, offset in slots:
+                vals[i] = ptrs[slot] + offset
+            out.append(vals)
+        return out
+
+    def __call__(self, ptrs, stream: int, device: int) -> None:
+        for run, grid, block, shared_bytes, values, slots in self.steps:
+            vals = values.copy()
+            for i, slot, offset in slots:
+                vals[i] = ptrs[slot] + offset
+            run(grid, block, stream, shared_bytes, vals, device)
+
+
+def recorded(fn, *args, slots: int, **kwargs) -> Recipe:
+    """The :class:`Recipe` of ``fn(*args, empty=arena, **kwargs)``: its launches recorded, scratch from an
+    :class:`Arena` at placeholder slot ``slots`` (the arguments' own placeholders use slots ``0..slots-1``)."""
+    arena = Arena(slots)
+    with record() as launches:
+        fn(*args, empty=arena, **kwargs)
+    return Recipe(launches, arena.nbytes)
+
+
+def placeholder_args(arrays) -> list[ArrayArg]:
+    """Descriptors of ``arrays`` (ArrayArgs or CuPy arrays) with placeholder pointers ``0, 1, ...``."""
+    out = []
+    for i, a in enumerate(arrays):
+        if type(a) is not ArrayArg:
+            a = _describer(type(a))(a)
+        out.append(ArrayArg(placeholder(i), tuple(a.shape), tuple(a.strides), np.dtype(a.dtype)))
+    return out
+
+
+class SignatureCache(dict):
+    """Recipes (or anything) by call signature, cleared when it grows past ``limit`` entries."""
+
+    def __init__(self, limit: int = 1024):
+        super().__init__()
+        self.limit = limit
+
+    def put(self, key, value) -> None:
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = value
+
+
 __all__ = [
     "PARAMS_VIA",
+    "Arena",
     "ArrayArg",
     "LaunchError",
     "Launcher",
+    "Recipe",
+    "SignatureCache",
     "array_layout",
     "describe_cupy",
     "launch",
     "launcher",
     "param_codes",
     "param_offsets",
+    "placeholder",
+    "placeholder_args",
+    "record",
+    "recorded",
 ]

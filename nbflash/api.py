@@ -11,7 +11,7 @@ from . import backward as _bwd
 from . import backward_tc as _bwd_tc
 from . import forward as _simt
 from . import forward_tc as _tc
-from ._device import compute_capability
+from ._device import SIMULATOR, compute_capability, stream_handle
 from ._streams import array_device, current_stream
 from ._validate import Problem, canonical, check_attention, check_device, check_like
 
@@ -91,10 +91,86 @@ def which_backend(
     return plan_forward(p.head_dim, p.input_kind, p.scale, *(canonical(a, layout) for a in (q, k, v)), backend)
 
 
-def _forward(p: Problem, q, k, v, *, stream=None, backend: str = "auto"):
+# ----------------------------------------------------------------------------
+# The GPU hot path: a recipe per call signature
+# ----------------------------------------------------------------------------
+#
+# Validation, the kernel choice and the launch arguments depend only on the
+# call's *signature*: the arrays' types, shapes, strides, dtypes and device,
+# the flags, and whether the data pointers are 16-byte aligned (tensor cores
+# need it).  The first call of a signature is checked in full and its
+# launches are recorded (nbflash._launch.Recipe); later calls of that
+# signature look the recipe up, allocate the outputs and replay it with their
+# own pointers.  A signature is cached only after its call passed every check,
+# so a bad input never finds a recipe and always meets the full checks.
+
+_FORWARD_RECIPES: dict = {}
+_BACKWARD_RECIPES: dict = {}
+_RECIPE_LIMIT = 1024
+_GPU = None  # (cupy.ndarray, cupy.empty, cupy.cuda.runtime.getDevice, cupy.cuda.get_current_stream), once imported
+
+
+def _cupy_hooks():
+    global _GPU
+    if _GPU is None:
+        try:
+            import cupy
+        except ImportError:  # no CuPy: nbflash.attention cannot have been given GPU arrays
+            _GPU = ()
+        else:
+            _GPU = (cupy.ndarray, cupy.empty, cupy.cuda.runtime.getDevice, cupy.cuda.get_current_stream)
+    return _GPU
+
+
+def _signature(arrays, flags):
+    """``(key, pointers, device)`` of a call on CuPy arrays of the current GPU; ``(None, None, None)`` if the
+    fast path does not apply (other array types, another GPU, an unhashable flag)."""
+    hooks = _GPU or _cupy_hooks()
+    if not hooks:
+        return None, None, None
+    ndarray, _, get_device, _ = hooks
+    device = get_device()
+    meta, ptrs, bits = [], [], 0
+    for a in arrays:
+        if type(a) is not ndarray:
+            return None, None, None
+        mem = a.data
+        if mem.device_id != device:
+            return None, None, None
+        ptr = mem.ptr
+        meta.append((a.shape, a.strides, a.dtype.char))
+        ptrs.append(ptr)
+        bits |= ptr
+    key = (device, tuple(meta), not bits & 15, *flags)
+    try:
+        hash(key)
+    except TypeError:
+        return None, None, None
+    return key, ptrs, device
+
+
+def _flags(causal, scale, layout, backend, *more):
+    """The non-array part of a signature: each flag with its type (validation looks at both)."""
+    return (type(causal), causal, type(scale), scale, layout, backend, *more)
+
+
+def _stream(stream) -> int:
+    if stream is None:
+        return _GPU[3]().ptr
+    return stream_handle(stream)
+
+
+def _store(cache: dict, key, value) -> None:
+    if len(cache) >= _RECIPE_LIMIT:
+        cache.clear()
+    cache[key] = value
+
+
+def _forward(p: Problem, q, k, v, *, stream=None, backend: str = "auto", key=None):
     """Allocate ``o`` (in the caller's layout) and ``lse``, and run the forward kernel.
 
-    ``stream``: a Numba stream to launch on (default: CuPy's current stream).
+    ``stream``: a Numba stream or raw handle to launch on (default: CuPy's current stream).
+    On the GPU the launch is recorded as the recipe of ``key`` (see above) and replayed.
     """
     xp = p.xp
     cq, ck, cv = (canonical(a, p.layout) for a in (q, k, v))
@@ -104,13 +180,30 @@ def _forward(p: Problem, q, k, v, *, stream=None, backend: str = "auto"):
     else:
         o = xp.empty((p.batch, p.seqlen_q, p.heads, p.head_dim), dtype=q.dtype)
     lse = xp.empty((p.batch, p.heads, p.seqlen_q), dtype=p.lse_dtype)
-    stream = current_stream(xp) if stream is None else stream
     co = canonical(o, p.layout)
+    if SIMULATOR:
+        _launch_forward(plan, p, cq, ck, cv, co, lse, stream=0)
+        return o, lse
+    from . import _launch
+
+    with _launch.record() as launches:
+        _launch_forward(plan, p, *_launch.placeholder_args((cq, ck, cv, co, lse)), stream=0)
+    try:
+        recipe = _launch.Recipe(launches)
+    except NotImplementedError:  # arguments the fast launch cannot pass: Numba's launch, uncached
+        _launch_forward(plan, p, cq, ck, cv, co, lse, stream=current_stream(xp) if stream is None else stream)
+        return o, lse
+    if key is not None:
+        _store(_FORWARD_RECIPES, key, (recipe, o.shape, o.dtype, lse.shape, lse.dtype))
+    recipe((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr), _stream(stream), o.data.device_id)
+    return o, lse
+
+
+def _launch_forward(plan: Plan, p: Problem, cq, ck, cv, co, lse, *, stream) -> None:
     if plan.backend == "tensor_core":  # the plan checked q, k, v; o is ours, contiguous and aligned
         _tc.launch_forward_tc(plan.config, cq, ck, cv, co, lse, p.scale, p.causal, stream=stream, check=False)
     else:
         _simt.launch_forward(plan.config, cq, ck, cv, co, lse, p.scale, p.causal, stream=stream)
-    return o, lse
 
 
 def attention(
@@ -177,9 +270,19 @@ def forward_arrays(q, k, v, *, causal=False, scale=None, layout="bhsd", bf16_bit
     bits; the kernel converts on load and rounds to nearest-even on store.
     ``stream``: the Numba stream to launch on (default: CuPy's current stream).
     """
+    key = None
+    if not SIMULATOR:
+        key, ptrs, device = _signature((q, k, v), _flags(causal, scale, layout, backend, bf16_bits))
+        entry = _FORWARD_RECIPES.get(key) if key is not None else None
+        if entry is not None:  # a signature that passed every check before: allocate and replay
+            recipe, o_shape, dtype, lse_shape, lse_dtype = entry
+            empty = _GPU[1]
+            o, lse = empty(o_shape, dtype), empty(lse_shape, lse_dtype)
+            recipe((*ptrs, o.data.ptr, lse.data.ptr), _stream(stream), device)
+            return o, lse
     p = check_attention(q, k, v, causal=causal, scale=scale, layout=layout, bf16_bits=bf16_bits)
     with array_device(p.xp, q):
-        return _forward(p, q, k, v, stream=stream, backend=backend)
+        return _forward(p, q, k, v, stream=stream, backend=backend, key=key)
 
 
 def attention_backward(
@@ -264,6 +367,21 @@ def backward_arrays(
     holding bfloat16 bits; ``lse`` stays float32.
     ``stream``: the Numba stream to launch on (default: CuPy's current stream).
     """
+    key = None
+    if not SIMULATOR:
+        flags = _flags(causal, scale, layout, backend, bf16_bits, type(deterministic), deterministic)
+        key, ptrs, device = _signature((do, q, k, v, o, lse), flags)
+        entry = _BACKWARD_RECIPES.get(key) if key is not None else None
+        if entry is not None:  # a signature that passed every check before: allocate and replay
+            recipe, shapes, dtype = entry
+            empty = _GPU[1]
+            grads = [empty(shape, dtype) for shape in shapes]
+            ptrs += [g.data.ptr for g in grads]
+            if recipe.scratch_bytes:
+                arena = empty(recipe.scratch_bytes, np.uint8)  # freed after the launches, stream-ordered
+                ptrs.append(arena.data.ptr)
+            recipe(ptrs, _stream(stream), device)
+            return tuple(grads)
     p = check_attention(q, k, v, causal=causal, scale=scale, layout=layout, bf16_bits=bf16_bits)
     if deterministic is not None and not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be a bool or None, got {type(deterministic).__name__}")
@@ -274,7 +392,9 @@ def backward_arrays(
     check_device(("q", "do", "o", "lse"), (q, do, o, lse), p.xp)
     xp = p.xp
     with array_device(xp, q):
-        return _backward(p, do, q, k, v, o, lse, deterministic=deterministic, stream=stream, backend=backend)
+        return _backward(
+            p, do, q, k, v, o, lse, deterministic=deterministic, stream=stream, backend=backend, key=key
+        )
 
 
 def plan_backward(head_dim: int, input_kind: str, scale: float, do, q, k, v, o, backend: str = "auto") -> Plan:
@@ -335,17 +455,39 @@ def run_backward(
         _bwd.launch_backward(plan.config, q, k, v, o, do, lse, dq, dk, dv, scale, bool(causal), **flags)
 
 
-def _backward(p: Problem, do, q, k, v, o, lse, *, deterministic: bool | None, stream, backend: str = "auto"):
-    """Allocate ``dq, dk, dv`` (in the caller's layout) and run the backward kernels."""
+def _backward(
+    p: Problem, do, q, k, v, o, lse, *, deterministic: bool | None, stream, backend: str = "auto", key=None
+):
+    """Allocate ``dq, dk, dv`` (in the caller's layout) and run the backward kernels (on the GPU: recorded as
+    the recipe of ``key`` and replayed, as the forward)."""
     xp, layout = p.xp, p.layout
     cdo, cq, ck, cv, co = (canonical(a, layout) for a in (do, q, k, v, o))
     plan = plan_backward(p.head_dim, p.input_kind, p.scale, cdo, cq, ck, cv, co, backend)
     dq, dk, dv = (xp.empty(a.shape, dtype=a.dtype) for a in (q, k, v))  # C-contiguous, in the caller's layout
     cdq, cdk, cdv = (canonical(a, layout) for a in (dq, dk, dv))
-    stream = current_stream(xp) if stream is None else stream
-    run_backward(
-        plan, cdo, cq, ck, cv, co, lse, cdq, cdk, cdv, p.scale, p.causal, deterministic=deterministic, stream=stream
-    )
+    arrays = (cdo, cq, ck, cv, co, lse, cdq, cdk, cdv)
+    flags = dict(deterministic=deterministic)
+    if SIMULATOR:
+        run_backward(plan, *arrays, p.scale, p.causal, stream=0, **flags)
+        return dq, dk, dv
+    from . import _launch
+
+    arena = _launch.Arena(len(arrays))
+    with _launch.record() as launches:
+        run_backward(plan, *_launch.placeholder_args(arrays), p.scale, p.causal, stream=0, empty=arena, **flags)
+    try:
+        recipe = _launch.Recipe(launches, arena.nbytes)
+    except NotImplementedError:  # arguments the fast launch cannot pass: Numba's launch, uncached
+        stream = current_stream(xp) if stream is None else stream
+        run_backward(plan, *arrays, p.scale, p.causal, stream=stream, **flags)
+        return dq, dk, dv
+    if key is not None:
+        _store(_BACKWARD_RECIPES, key, (recipe, (q.shape, k.shape, v.shape), q.dtype))
+    ptrs = [a.data.ptr for a in (do, q, k, v, o, lse, dq, dk, dv)]
+    scratch = xp.empty(recipe.scratch_bytes, np.uint8) if recipe.scratch_bytes else None
+    if scratch is not None:
+        ptrs.append(scratch.data.ptr)
+    recipe(ptrs, _stream(stream), dq.data.device_id)
     return dq, dk, dv
 
 

@@ -161,6 +161,10 @@ def forward_tc_kernel(cfg: TCConfig):
     K_STEPS = D_PAD // 16  # k-steps of Q K^T
     QF_STEPS = K_STEPS if Q_IN_REGS else 1  # Q fragments held at once
     PV_STEPS = BLOCK_N // 16  # k-steps of P V
+    # O += P V runs as two loop nests over the two halves of O's 16-column pairs when one nest would hold
+    # more than 64 mma: NVVM fully unrolls a nest of 64 (every P and O index a constant), not of 128.
+    D_PAIRS = D_TILES // 2
+    PV_SPLIT = D_PAIRS if PV_STEPS * D_PAIRS * 2 * cfg.m_tiles <= 64 else D_PAIRS // 2
     NEG_INF = numba.float32(-math.inf)  # a float32 constant: a Python float would make the softmax float64
     ZERO = numba.float32(0)
     FULL = 0xFFFFFFFF
@@ -183,13 +187,19 @@ def forward_tc_kernel(cfg: TCConfig):
         EXACT = ROWS * CHUNKS % THREADS == 0
         U_CHUNKS, U_PITCH, U_THREADS, U_TOTAL = (np.uint64(x) for x in (CHUNKS, PITCH, THREADS, ROWS * CHUNKS))
         U_DATA = np.uint64(DATA_CHUNKS)
+        SAME_CHUNK = THREADS % CHUNKS == 0
+        U_ROW_STEP = np.uint64(THREADS // CHUNKS)
 
         def load_tile(smem, offset, src, b, h, start, seqlen, tid):
             for it in range(ITERS):
                 c = u64(tid) + u64(it) * U_THREADS
                 if EXACT or c < U_TOTAL:
-                    r = c // U_CHUNKS
-                    chunk = c % U_CHUNKS
+                    if SAME_CHUNK:
+                        r = u64(tid) // U_CHUNKS + u64(it) * U_ROW_STEP
+                        chunk = u64(tid) % U_CHUNKS
+                    else:
+                        r = c // U_CHUNKS
+                        chunk = c % U_CHUNKS
                     row = u64(start) + r
                     nbytes = 16 if row < u64(seqlen) and (DATA_CHUNKS == CHUNKS or chunk < U_DATA) else 0
                     row = min(row, u64(seqlen - 1))  # a valid address even when nothing is read
@@ -220,12 +230,11 @@ def forward_tc_kernel(cfg: TCConfig):
 
     # -- the steps of one m-tile (16 query rows of a warp), as inline device functions ------------------
 
-    def init_rows(m_i, l_i, key_end, acc, first_row, seqlen_q, seqlen_k, causal, g):
-        """m_i = -inf, l_i = 0, acc = 0, and the visible keys of rows first_row + g and + g + 8."""
+    def init_rows(m_i, l_i, acc):
+        """m_i = -inf, l_i = 0, acc = 0."""
         for r in range(2):
             m_i[r] = NEG_INF
             l_i[r] = ZERO
-            key_end[r] = d_row_key_end(first_row + g + 8 * r, seqlen_q, seqlen_k, causal)
         for dt in range(D_TILES):
             for i in range(4):
                 acc[dt, i] = ZERO
@@ -243,10 +252,13 @@ def forward_tc_kernel(cfg: TCConfig):
         for i in range(4):
             C[n, i] = d[i]
 
-    def mask_scores(S, key_end, k_start, t):
-        """S = -inf where a key is past the row's visible end (ragged tail or above the causal diagonal)."""
+    def mask_scores(S, first_row, k_start, seqlen_q, seqlen_k, causal, g, t):
+        """S = -inf where a key is past the visible end of row first_row + g or + g + 8 (ragged tail or above
+        the causal diagonal).  The ends are recomputed here, on the few masked tiles, rather than held in
+        registers through the whole loop."""
         for r in range(2):
-            first_hidden = key_end[r] - k_start - 2 * t  # key 8n + c is hidden iff 8n + c ≥ this
+            key_end = d_row_key_end(first_row + g + 8 * r, seqlen_q, seqlen_k, causal)
+            first_hidden = key_end - k_start - 2 * t  # key 8n + c is hidden iff 8n + c ≥ this
             for n in range(N_TILES):
                 for c in range(2):
                     if 8 * n + c >= first_hidden:
@@ -276,12 +288,24 @@ def forward_tc_kernel(cfg: TCConfig):
                 acc[dt, 2 * r] *= alpha
                 acc[dt, 2 * r + 1] *= alpha
 
-    def p_frags(P, S, kk):
-        """P's A fragment for keys 16kk .. 16kk + 15: S tiles 2kk, 2kk + 1 packed to 16 bits (no shuffle)."""
-        P[0, 0] = pack(S[2 * kk, 0], S[2 * kk, 1])  # row g,     keys 2t, 2t + 1
-        P[0, 1] = pack(S[2 * kk, 2], S[2 * kk, 3])  # row g + 8, keys 2t, 2t + 1
-        P[0, 2] = pack(S[2 * kk + 1, 0], S[2 * kk + 1, 1])  # row g,     keys 8 + 2t, 8 + 2t + 1
-        P[0, 3] = pack(S[2 * kk + 1, 2], S[2 * kk + 1, 3])  # row g + 8, keys 8 + 2t, 8 + 2t + 1
+    def p_frags(P, S):
+        """P's A fragments, P[kk] for keys 16kk .. 16kk + 15: S tiles 2kk, 2kk + 1 packed to 16 bits (no shuffle)."""
+        for kk in range(PV_STEPS):
+            P[kk, 0] = pack(S[2 * kk, 0], S[2 * kk, 1])  # row g,     keys 2t, 2t + 1
+            P[kk, 1] = pack(S[2 * kk, 2], S[2 * kk, 3])  # row g + 8, keys 2t, 2t + 1
+            P[kk, 2] = pack(S[2 * kk + 1, 0], S[2 * kk + 1, 1])  # row g,     keys 8 + 2t, 8 + 2t + 1
+            P[kk, 3] = pack(S[2 * kk + 1, 2], S[2 * kk + 1, 3])  # row g + 8, keys 8 + 2t, 8 + 2t + 1
+
+    def pv_product(acc0, acc1, P0, P1, smem, v_base, first, end):
+        """acc += P V_j for O's 16-column pairs [first, end) of every m-tile: each V fragment (16 keys × 16 of
+        D, ``ldmatrix.trans``) feeds every m-tile of the warp."""
+        for kk in range(PV_STEPS):
+            for d2 in range(first, end):
+                vb = I.ldmatrix_x4_trans(smem, v_base + 16 * kk * PITCH + 16 * d2)
+                for half in range(2):
+                    mma_into(acc0, 2 * d2 + half, P0, kk, vb[2 * half], vb[2 * half + 1])
+                    if TWO:
+                        mma_into(acc1, 2 * d2 + half, P1, kk, vb[2 * half], vb[2 * half + 1])
 
     def write_rows(o, lse, acc, m_i, l_i, b, h, first_row, seqlen_q, g, t):
         """O = acc / l, lse = m + log l for rows first_row + g, + g + 8 (head-dim padding not written)."""
@@ -298,9 +322,9 @@ def forward_tc_kernel(cfg: TCConfig):
                 if t == 0:
                     lse[b, h, row] = m_i[r] * LN2 + math.log(l_row) if l_row > 0 else NEG_INF
 
-    init_rows, load_q_frags, mma_into, mask_scores, online_softmax, p_frags, write_rows = (
+    init_rows, load_q_frags, mma_into, mask_scores, online_softmax, p_frags, pv_product, write_rows = (
         device_function(f)
-        for f in (init_rows, load_q_frags, mma_into, mask_scores, online_softmax, p_frags, write_rows)
+        for f in (init_rows, load_q_frags, mma_into, mask_scores, online_softmax, p_frags, pv_product, write_rows)
     )
 
     @kernel(fastmath=True)
@@ -327,20 +351,18 @@ def forward_tc_kernel(cfg: TCConfig):
         qf0 = cuda.local.array((QF_STEPS, 4), numba.uint32)  # Q A-fragments
         S0 = cuda.local.array((N_TILES, 4), numba.float32)  # S (then P) accumulators
         acc0 = cuda.local.array((D_TILES, 4), numba.float32)  # O accumulators
-        P0 = cuda.local.array((1, 4), numba.uint32)  # P A-fragments of one k-step
+        P0 = cuda.local.array((PV_STEPS, 4), numba.uint32)  # P A-fragments
         m0 = cuda.local.array(2, numba.float32)  # rows g, g + 8: running max (base-2 scaled) ...
         l0 = cuda.local.array(2, numba.float32)  # ... this lane's share of the running sum ...
-        e0 = cuda.local.array(2, numba.int64)  # ... and the row's visible keys [0, e0)
         qf1 = cuda.local.array((QF_STEPS, 4), numba.uint32)  # the same for the second m-tile
         S1 = cuda.local.array((N_TILES, 4), numba.float32)
         acc1 = cuda.local.array((D_TILES, 4), numba.float32)
-        P1 = cuda.local.array((1, 4), numba.uint32)
+        P1 = cuda.local.array((PV_STEPS, 4), numba.uint32)
         m1 = cuda.local.array(2, numba.float32)
         l1 = cuda.local.array(2, numba.float32)
-        e1 = cuda.local.array(2, numba.int64)
-        init_rows(m0, l0, e0, acc0, row0, seqlen_q, seqlen_k, causal, g)
+        init_rows(m0, l0, acc0)
         if TWO:
-            init_rows(m1, l1, e1, acc1, row0 + 16, seqlen_q, seqlen_k, causal, g)
+            init_rows(m1, l1, acc1)
         scale_log2 = numba.float32(qk_scale_log2)
 
         # Step 1: Q_i and the first K/V tile, one cp.async group.
@@ -397,25 +419,20 @@ def forward_tc_kernel(cfg: TCConfig):
 
             # Step 2d: online softmax, base 2.  Value i of tile n is row g + 8(i >> 1), key 8n + 2t + (i & 1).
             if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
-                mask_scores(S0, e0, k_start, t)
+                mask_scores(S0, row0, k_start, seqlen_q, seqlen_k, causal, g, t)
                 if TWO:
-                    mask_scores(S1, e1, k_start, t)
+                    mask_scores(S1, row0 + 16, k_start, seqlen_q, seqlen_k, causal, g, t)
             online_softmax(S0, acc0, m0, l0, scale_log2)
             if TWO:
                 online_softmax(S1, acc1, m1, l1, scale_log2)
 
             # Step 2e: O += P V_j; the accumulator layout of S *is* P's A-fragment layout (FlashAttention-2).
+            p_frags(P0, S0)
+            if TWO:
+                p_frags(P1, S1)
             v_base = V_OFF + buf * KV_STRIDE + v_lane
-            for kk in range(PV_STEPS):
-                p_frags(P0, S0, kk)
-                if TWO:
-                    p_frags(P1, S1, kk)
-                for d2 in range(D_TILES // 2):
-                    vb = I.ldmatrix_x4_trans(smem, v_base + 16 * kk * PITCH + 16 * d2)
-                    for half in range(2):
-                        mma_into(acc0, 2 * d2 + half, P0, 0, vb[2 * half], vb[2 * half + 1])
-                        if TWO:
-                            mma_into(acc1, 2 * d2 + half, P1, 0, vb[2 * half], vb[2 * half + 1])
+            pv_product(acc0, acc1, P0, P1, smem, v_base, 0, PV_SPLIT)
+            pv_product(acc0, acc1, P0, P1, smem, v_base, PV_SPLIT, D_PAIRS)  # empty unless split
             cuda.syncthreads()  # everyone is done with buffer `buf` before iteration j + 1 refills it
 
         I.cp_async_wait_all()  # nothing left in flight (only Q's group when no key tile was visible)

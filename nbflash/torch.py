@@ -65,6 +65,7 @@ import contextlib
 import numpy as np
 import torch
 
+from . import _launch
 from . import api as _api
 from . import forward as _fwd
 from . import forward_tc as _tc
@@ -83,9 +84,6 @@ _NP_DTYPE = {
     torch.float64: np.dtype(np.float64),
 }
 _ITEMSIZE = {t: d.itemsize for t, d in _NP_DTYPE.items()}
-
-#: The backward's scratch (delta, lse2, the dq accumulator) as tensors.
-_SCRATCH_DTYPE = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
 
 
 # ----------------------------------------------------------------------------
@@ -230,48 +228,120 @@ def _on_device(index: int):
     return torch.cuda.device(index)
 
 
-def _gpu_forward(q, k, v, causal: bool, scale: float, layout: str, B: int, H: int, Nq: int, D: int, backend: str):
+# The hot path, as nbflash.api's for CuPy arrays: the first call of a signature (tensor shapes, strides,
+# dtypes, device, flags, 16-byte alignment) is checked in full and its launches recorded as a recipe
+# (nbflash._launch.Recipe); later calls allocate their outputs and replay it with their own pointers.
+
+_FORWARD_RECIPES: dict = {}
+_BACKWARD_RECIPES: dict = {}
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+#: The current CUDA device's index, without torch.cuda's Python wrapper (None: a CPU-only PyTorch).
+_cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def _current_device() -> int:
+    return _cuda_get_device() if _cuda_get_device is not None else torch.cuda.current_device()
+
+
+def _signature(tensors, flags):
+    """``(key, pointers, device)`` of a call on CUDA tensors of the current device — each read as the kernels
+    will (:func:`_kernel_view`) — or ``(None, None, None)`` where the hot path does not apply."""
+    first = tensors[0]
+    if type(first) not in _PLAIN or _cuda_get_device is None:
+        return None, None, None
+    device = first.get_device()
+    if device < 0 or device != _cuda_get_device():
+        return None, None, None
+    meta, ptrs, bits = [], [], 0
+    for t in tensors:
+        if type(t) not in _PLAIN or t.get_device() != device:
+            return None, None, None
+        shape, stride = t.shape, t.stride()
+        if len(shape) > 1 and shape[-1] > 1 and stride[-1] != 1:  # as _kernel_view: a copy the kernels can read
+            t = t.contiguous()
+            stride = t.stride()
+        ptr = t.data_ptr()
+        meta.append((shape, stride, t.dtype))
+        ptrs.append(ptr)
+        bits |= ptr
+    key = (device, tuple(meta), not bits & 15, *flags)
+    try:
+        hash(key)
+    except TypeError:
+        return None, None, None
+    return key, ptrs, device
+
+
+def _store(cache: dict, key, value) -> None:
+    if len(cache) >= 1024:
+        cache.clear()
+    cache[key] = value
+
+
+def _gpu_forward(
+    q, k, v, causal: bool, scale: float, layout: str, B: int, H: int, Nq: int, D: int, backend: str, key=None
+):
     """``(o, lse)`` on the GPU: outputs from ``torch.empty``, the kernel launched on tensor descriptors.
 
     ``o`` is allocated in the caller's layout; the kernel sees canonical
     ``(B, H, N, D)`` descriptors (for ``bshd`` the axes of the same memory
     reordered).  It runs on PyTorch's current stream of the tensors' device,
     which also owns the outputs' memory (the caching allocator's stream).
+    The launch is recorded as the recipe of ``key`` and replayed.
     """
     index = q.device.index
     with _on_device(index):
         q, k, v = _kernel_view(q), _kernel_view(k), _kernel_view(v)
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty((B, H, Nq), dtype=_lse_dtype(q.dtype), device=q.device)
-        arrays = [_describe(t) for t in (q, k, v, o)]
+        tensors = (q, k, v, o, lse)
+        arrays = [_describe(t) for t in tensors]
         if layout == "bshd":
-            arrays = [a.permute((0, 2, 1, 3)) for a in arrays]
-        lse_arg = _describe(lse)
-        # cfg.trace is off, so the kernel never touches `trace`: it only has to have the right type.
-        es = lse_arg.itemsize
-        trace = ArrayArg(lse_arg.ptr, (1, 1, 1, 1, 2), (2 * es, 2 * es, 2 * es, 2 * es, es), lse_arg.dtype)
+            arrays[:4] = [a.permute((0, 2, 1, 3)) for a in arrays[:4]]
         kind = "bfloat16" if q.dtype == torch.bfloat16 else str(q.dtype).removeprefix("torch.")
         plan = _api.plan_forward(D, kind, scale, *arrays[:3], backend)
-        if plan.backend == "tensor_core":
-            _tc.launch_forward_tc(
-                plan.config, *arrays, lse_arg, scale, bool(causal), stream=_raw_stream(index), check=False
-            )
-        else:
-            _fwd.launch_forward(
-                plan.config, *arrays, lse_arg, scale, bool(causal), trace=trace, stream=_raw_stream(index)
-            )
+        with _launch.record() as launches:
+            _launch_forward(plan, _launch.placeholder_args(arrays), scale, causal, stream=0)
+        try:
+            recipe = _launch.Recipe(launches)
+        except NotImplementedError:  # pragma: no cover - every kernel argument here is a descriptor or a scalar
+            _launch_forward(plan, arrays, scale, causal, stream=_raw_stream(index))
+            return o, lse
+        if key is not None and index == _current_device():
+            _store(_FORWARD_RECIPES, key, (recipe, o.shape, o.dtype, lse.shape, lse.dtype))
+        recipe([t.data_ptr() for t in tensors], _raw_stream(index), index)
     return o, lse
+
+
+def _launch_forward(plan, arrays, scale: float, causal: bool, stream) -> None:
+    """The forward kernel of ``plan`` on descriptors ``q, k, v, o, lse``."""
+    if plan.backend == "tensor_core":
+        _tc.launch_forward_tc(plan.config, *arrays, scale, bool(causal), stream=stream, check=False)
+    else:
+        _fwd.launch_forward(plan.config, *arrays, scale, bool(causal), stream=stream)
 
 
 def _flash_fwd(q, k, v, causal: bool, scale: float | None, layout: str, backend: str = "auto"):
     """``(o, lse)`` from the forward kernel; ``o`` contiguous in ``layout``."""
+    key = None
+    if not SIMULATOR:
+        key, ptrs, device = _signature((q, k, v), _api._flags(causal, scale, layout, backend))
+        entry = _FORWARD_RECIPES.get(key) if key is not None else None
+        if entry is not None:  # checked in full when first seen: allocate and replay
+            recipe, o_shape, dtype, lse_shape, lse_dtype = entry
+            o = torch.empty(o_shape, dtype=dtype, device=q.device)
+            lse = torch.empty(lse_shape, dtype=lse_dtype, device=q.device)
+            recipe((*ptrs, o.data_ptr(), lse.data_ptr()), _raw_stream(device), device)
+            return o, lse
     _check_tensors(("q", "k", "v"), (q, k, v), ("q", "k", "v"))
     B, H, Nq, D, scale_ = _check_problem(q, k, v, causal, scale, layout)
     if SIMULATOR:
         return _run_simulator(
             _api.forward_arrays, (q, k, v), causal=causal, scale=scale, layout=layout, backend=backend
         )
-    return _gpu_forward(q, k, v, causal, scale_, layout, B, H, Nq, D, backend)
+    return _gpu_forward(q, k, v, causal, scale_, layout, B, H, Nq, D, backend, key)
 
 
 def _check_backward(do, q, o, lse, layout):
@@ -287,56 +357,68 @@ def _check_backward(do, q, o, lse, layout):
         raise ValueError(f"lse must have shape {(B, H, Nq)} (the forward's), got {tuple(lse.shape)}")
 
 
-def _gpu_backward(do, q, k, v, o, lse, causal: bool, scale: float, layout: str, deterministic, backend: str):
-    """``(dq, dk, dv)`` on the GPU, like :func:`_gpu_forward`: outputs and scratch from ``torch.empty``,
-    kernels launched on descriptors on PyTorch's current stream."""
+def _gpu_backward(
+    do, q, k, v, o, lse, causal: bool, scale: float, layout: str, deterministic, backend: str, key=None
+):
+    """``(dq, dk, dv)`` on the GPU, like :func:`_gpu_forward`: outputs and scratch (one buffer) from
+    ``torch.empty``, kernels launched on descriptors on PyTorch's current stream, recorded as the recipe of
+    ``key`` and replayed."""
     index = q.device.index
     with _on_device(index):
         do, q, k, v, o = (_kernel_view(t) for t in (do, q, k, v, o))
         grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
-        arrays = [_describe(t) for t in (do, q, k, v, o, *grads)]
+        tensors = (do, q, k, v, o, lse, *grads)
+        arrays = [_describe(t) for t in tensors]
         if layout == "bshd":
-            arrays = [a.permute((0, 2, 1, 3)) for a in arrays]
-        cdo, cq, ck, cv, co, cdq, cdk, cdv = arrays
+            arrays = [a if i == 5 else a.permute((0, 2, 1, 3)) for i, a in enumerate(arrays)]  # lse is (B, H, N)
         kind = "bfloat16" if q.dtype == torch.bfloat16 else str(q.dtype).removeprefix("torch.")
-        plan = _api.plan_backward(q.shape[3], kind, scale, cdo, cq, ck, cv, co, backend)
-        scratch = []  # alive until the launches are queued; then back to the caching allocator, stream-ordered
-
-        def empty(shape, dtype):
-            t = torch.empty(shape, dtype=_SCRATCH_DTYPE[np.dtype(dtype)], device=q.device)
-            scratch.append(t)
-            return _describe(t)
-
-        _api.run_backward(
-            plan,
-            cdo,
-            cq,
-            ck,
-            cv,
-            co,
-            _describe(lse),
-            cdq,
-            cdk,
-            cdv,
-            scale,
-            causal,
-            deterministic=deterministic,
-            stream=_raw_stream(index),
-            empty=empty,
-        )
+        plan = _api.plan_backward(q.shape[3], kind, scale, *arrays[:5], backend)
+        arena = _launch.Arena(len(arrays))
+        with _launch.record() as launches:
+            _api.run_backward(
+                plan,
+                *_launch.placeholder_args(arrays),
+                scale,
+                causal,
+                deterministic=deterministic,
+                stream=0,
+                empty=arena,
+            )
+        recipe = _launch.Recipe(launches, arena.nbytes)
+        if key is not None and index == _current_device():
+            _store(_BACKWARD_RECIPES, key, (recipe, tuple(g.shape for g in grads), q.dtype))
+        ptrs = [t.data_ptr() for t in tensors]
+        if recipe.scratch_bytes:  # alive until the launches are queued, then back to the allocator, stream-ordered
+            scratch = torch.empty(recipe.scratch_bytes, dtype=torch.uint8, device=q.device)
+            ptrs.append(scratch.data_ptr())
+        recipe(ptrs, _raw_stream(index), index)
     return tuple(grads)
 
 
 def _flash_bwd(do, q, k, v, o, lse, causal: bool, scale: float | None, layout: str, backend: str = "auto"):
     """``(dq, dk, dv)`` from the backward kernels, each contiguous in ``layout``."""
+    # dq by the faster route of the chosen kernels, unless the caller asked PyTorch for deterministic algorithms.
+    deterministic = True if torch.are_deterministic_algorithms_enabled() else None
+    key = None
+    if not SIMULATOR:
+        flags = _api._flags(causal, scale, layout, backend, deterministic)
+        key, ptrs, device = _signature((do, q, k, v, o, lse), flags)
+        entry = _BACKWARD_RECIPES.get(key) if key is not None else None
+        if entry is not None:  # checked in full when first seen: allocate and replay
+            recipe, shapes, dtype = entry
+            grads = [torch.empty(shape, dtype=dtype, device=q.device) for shape in shapes]
+            ptrs += [g.data_ptr() for g in grads]
+            if recipe.scratch_bytes:
+                scratch = torch.empty(recipe.scratch_bytes, dtype=torch.uint8, device=q.device)
+                ptrs.append(scratch.data_ptr())
+            recipe(ptrs, _raw_stream(device), device)
+            return tuple(grads)
     names = ("do", "q", "k", "v", "o", "lse")
     _check_tensors(names, (do, q, k, v, o, lse), ("q", "k", "v", "o", "do"))
     _, _, _, _, scale_ = _check_problem(q, k, v, causal, scale, layout)
     _check_backward(do, q, o, lse, layout)
-    # dq by the faster route of the chosen kernels, unless the caller asked PyTorch for deterministic algorithms.
-    deterministic = True if torch.are_deterministic_algorithms_enabled() else None
     if not SIMULATOR:
-        return _gpu_backward(do, q, k, v, o, lse, causal, scale_, layout, deterministic, backend)
+        return _gpu_backward(do, q, k, v, o, lse, causal, scale_, layout, deterministic, backend, key)
     outs = _run_simulator(
         _api.backward_arrays,
         (do, q, k, v, o, lse),
@@ -512,16 +594,17 @@ def attention(
     float64 runs at the GPU's float64 rate.  Gradients w.r.t. ``q, k, v`` only;
     no double backward.
     """
-    _check_tensors(("q", "k", "v"), (q, k, v), ("q", "k", "v"))
+    # The flags here; the tensors by the raw forward (in full the first time a signature is seen).
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be 'bhsd' (batch, heads, seqlen, headdim) or 'bshd', got {layout!r}")
-    if not isinstance(causal, bool):
+    if type(causal) is not bool:
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if scale is not None:
-        scale = check_scale(scale, q.shape[-1])
+        scale = check_scale(scale, 1)  # the head dim only matters for the default
     if backend not in _api.BACKENDS:
         raise ValueError(f"backend must be one of {_api.BACKENDS}, got {backend!r}")
     if torch.compiler.is_compiling():
+        _check_tensors(("q", "k", "v"), (q, k, v), ("q", "k", "v"))
         o, _ = attention_fwd(q, k, v, causal, scale, layout, backend)
         return o
     return _Attention.apply(q, k, v, causal, scale, layout, backend)

@@ -300,3 +300,177 @@ def test_gpu_cupy_stream_capture_replays():
             want = nbflash.attention(q, k, v)
             stream.synchronize()
             assert cp.array_equal(o, want)
+
+
+# ----------------------------------------------------------------------------
+# Recipes: launches recorded once per call signature, replayed with new pointers
+# ----------------------------------------------------------------------------
+
+# Runs with the simulator off and no GPU: recording launches nothing, so only the device
+# properties the kernel choice reads are answered here.
+RECIPE_SCRIPT = r"""
+import json
+import numpy as np
+from nbflash import _device, _launch, api, backward, backward_tc, forward, forward_tc
+from nbflash._launch import ArrayArg
+assert not _device.SIMULATOR
+_device._current_index = lambda: 0
+_device._device_properties = lambda index: ((9, 0), 232448)
+
+def canon(a):
+    return a.permute((0, 2, 1, 3))
+
+def desc(ptr, shape, dtype):  # a C-contiguous bshd array at ptr, seen as (B, H, N, D)
+    dt = np.dtype(dtype)
+    strides, step = [], dt.itemsize
+    for n in reversed(shape):
+        strides.append(step); step *= n
+    return ArrayArg(ptr, tuple(shape), tuple(reversed(strides)), dt)
+
+class RealArena:  # the scratch a replay would get: the same offsets from a real base address
+    def __init__(self, base):
+        self.base, self.arena = base, _launch.Arena(0)
+    def __call__(self, shape, dtype):
+        a = self.arena(shape, dtype)
+        return a._replace(ptr=self.base + (a.ptr - self.arena.base))
+
+cases = []
+B, Nq, Nk, H = 2, 37, 50, 3
+for kind, dt, d in (("float16", np.float16, 64), ("bfloat16", np.uint16, 128), ("float32", np.float32, 40)):
+    base = 0x7F0000000000
+    ptrs = [base + i * 0x10000000 + 256 for i in range(10)]
+    q, o, do, dq = (canon(desc(p, (B, Nq, H, d), dt)) for p in (ptrs[0], ptrs[3], ptrs[5], ptrs[6]))
+    k, v, dk, dv = (canon(desc(p, (B, Nk, H, d), dt)) for p in (ptrs[1], ptrs[2], ptrs[7], ptrs[8]))
+    lse = desc(ptrs[4], (B, H, Nq), np.float32)
+    for backend in ("simt", "tensor_core") if kind != "float32" else ("simt",):
+        plan = api.plan_forward(d, kind, 0.125, q, k, v, backend)
+        launch_fwd = (lambda *a, **kw: forward_tc.launch_forward_tc(plan.config, *a, check=False, **kw)) \
+            if plan.backend == "tensor_core" else (lambda *a, **kw: forward.launch_forward(plan.config, *a, **kw))
+        arrays = (q, k, v, o, lse)
+        with _launch.record() as fake:
+            launch_fwd(*_launch.placeholder_args(arrays), 0.125, True, stream=0)
+        with _launch.record() as real:
+            launch_fwd(*arrays, 0.125, True, stream=0)
+        recipe = _launch.Recipe(fake)
+        want = [list(_launch._flatten(args)[1]) for *_, args in real]
+        cases.append(dict(case=f"forward {kind} {backend}", got=recipe.values([a.ptr for a in arrays]),
+                          want=want, n=len(fake), scratch=recipe.scratch_bytes))
+        for det in (True, False):
+            bplan = api.plan_backward(d, kind, 0.125, do, q, k, v, o, backend)
+            arrays = (do, q, k, v, o, lse, dq, dk, dv)
+            arena = _launch.Arena(len(arrays))
+            with _launch.record() as fake:
+                api.run_backward(bplan, *_launch.placeholder_args(arrays), 0.125, True, deterministic=det,
+                                 stream=0, empty=arena)
+            with _launch.record() as real:
+                api.run_backward(bplan, *arrays, 0.125, True, deterministic=det, stream=0,
+                                 empty=RealArena(ptrs[9]))
+            recipe = _launch.Recipe(fake, arena.nbytes)
+            want = [list(_launch._flatten(args)[1]) for *_, args in real]
+            cases.append(dict(case=f"backward {kind} {bplan.backend} det={det}",
+                              got=recipe.values([a.ptr for a in arrays] + [ptrs[9]]), want=want, n=len(fake),
+                              scratch=recipe.scratch_bytes))
+print(json.dumps(cases))
+"""
+
+
+def test_recipe_replays_exactly_what_a_direct_launch_would_pass():
+    """A recipe recorded on placeholder pointers, given the real ones, yields the parameter values of the
+    launches made on the real descriptors: forward and backward (both dQ routes, scratch from the arena),
+    SIMT and tensor cores, bshd views, ragged lengths."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    out = subprocess.run([sys.executable, "-c", RECIPE_SCRIPT], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    cases = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(cases) == 2 * 2 * 3 + 3  # (forward + 2 backward) per backend: fp16, bf16 x 2 backends; fp32 SIMT
+    for c in cases:
+        assert c["n"] >= 1 and c["got"] == c["want"], c["case"]
+        if c["case"].startswith("backward"):
+            assert c["n"] == 3 and c["scratch"] > 0, c
+    # The placeholders really were replaced: no value left in the placeholder range.
+    for c in cases:
+        for vals in c["got"]:
+            assert not any(type(x) is int and x >= 1 << _launch.PLACEHOLDER_SHIFT for x in vals), c["case"]
+
+
+def test_arena_carves_aligned_contiguous_pieces():
+    arena = _launch.Arena(3)
+    a = arena((2, 3, 5), np.float32)
+    b = arena((7,), np.float64)
+    assert a.ptr == _launch.placeholder(3) and a.strides == (60, 20, 4) and a.shape == (2, 3, 5)
+    assert b.ptr == _launch.placeholder(3) + 256 and b.strides == (8,)
+    assert arena.nbytes == 512
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_gpu_cached_signature_runs_fresh_inputs(dtype, layout):
+    """Calls of one signature replay one recipe: each call must still read its own inputs and write new
+    outputs (a stale pointer would return the first call's result)."""
+    cp = pytest.importorskip("cupy")
+    from nbflash import api
+    from nbflash.reference import attention_reference
+
+    rng = cp.random.default_rng(11)
+    shape = (2, 3, 77, 64) if layout == "bhsd" else (2, 77, 3, 64)
+    tol = 2e-2 if dtype == np.float16 else 1e-4
+    for trial in range(3):
+        q, k, v, do = (rng.standard_normal(shape, dtype=np.float32).astype(dtype) for _ in range(4))
+        o, lse = nbflash.attention(q, k, v, causal=True, layout=layout, return_lse=True)
+        dq, dk, dv = nbflash.attention_backward(do, q, k, v, o, lse, causal=True, layout=layout)
+        canon = (lambda x: x) if layout == "bhsd" else (lambda x: x.transpose(0, 2, 1, 3))
+        want, _ = attention_reference(*(canon(cp.asnumpy(x)).astype(np.float64) for x in (q, k, v)), causal=True)
+        assert np.abs(canon(cp.asnumpy(o)).astype(np.float64) - want).max() < tol, trial
+        # the gradients against the uncached route: forced SIMT and tensor-core runs are cached separately
+        again = nbflash.attention_backward(do.copy(), q.copy(), k.copy(), v.copy(), o.copy(), lse.copy(),
+                                           causal=True, layout=layout)
+        for a, b in zip((dq, dk, dv), again, strict=True):
+            assert cp.array_equal(a, b), trial
+    assert api._FORWARD_RECIPES and api._BACKWARD_RECIPES
+
+
+@pytest.mark.gpu
+def test_gpu_cached_signature_still_checks_alignment_and_inputs():
+    """A signature differs by alignment: a misaligned view of a cached shape takes SIMT (or is refused when
+    tensor cores are forced); bad inputs after a cached call are refused as before."""
+    cp = pytest.importorskip("cupy")
+    rng = cp.random.default_rng(5)
+    shape = (1, 2, 64, 64)
+    q, k, v = (rng.standard_normal(shape, dtype=np.float32).astype(np.float16) for _ in range(3))
+    o_tc = nbflash.attention(q, k, v, backend="tensor_core")
+    buf = cp.empty(q.size + 1, np.float16)
+    q_mis = buf[1:].reshape(shape)
+    q_mis[...] = q
+    assert q_mis.data.ptr % 16
+    assert nbflash.which_backend(q_mis, k, v).backend == "simt"
+    o_mis = nbflash.attention(q_mis, k, v)
+    assert float(cp.abs(o_mis.astype(cp.float32) - o_tc.astype(cp.float32)).max()) < 2e-2
+    with pytest.raises(ValueError, match="aligned"):
+        nbflash.attention(q_mis, k, v, backend="tensor_core")
+    with pytest.raises(TypeError, match="dtype"):
+        nbflash.attention(q, k.astype(np.float32), v)
+    with pytest.raises(TypeError):
+        nbflash.attention(q, k, v, causal=1)
+    with pytest.raises(ValueError):
+        nbflash.attention(q, k, v, scale=float("nan"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_gpu_torch_cached_signature_runs_fresh_inputs(dtype):
+    torch = pytest.importorskip("torch")
+    import nbflash.torch as nbt
+
+    dt = getattr(torch, dtype)
+    tol = 1e-4 if dtype == "float32" else 3e-2
+    for trial in range(3):
+        q, k, v = (torch.randn(2, 3, 70, 64, device="cuda", dtype=dt, requires_grad=True) for _ in range(3))
+        o = nbt.attention(q, k, v, causal=True)
+        o.sum().backward()  # an all-zero-stride incoming gradient: copied, and the copy's signature cached
+        q2, k2, v2 = (x.detach().double().requires_grad_() for x in (q, k, v))
+        ref = torch.nn.functional.scaled_dot_product_attention(q2, k2, v2, is_causal=True)
+        ref.sum().backward()
+        assert (o.double() - ref).abs().max().item() < tol, trial
+        for a, b in ((q.grad, q2.grad), (k.grad, k2.grad), (v.grad, v2.grad)):
+            assert (a.double() - b).abs().max().item() < 10 * tol, trial
