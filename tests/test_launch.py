@@ -410,7 +410,7 @@ def test_gpu_cached_signature_runs_fresh_inputs(dtype, layout):
     outputs (a stale pointer would return the first call's result)."""
     cp = pytest.importorskip("cupy")
     from nbflash import api
-    from nbflash.reference import attention_reference
+    from nbflash.reference import attention_ref
 
     rng = cp.random.default_rng(11)
     shape = (2, 3, 77, 64) if layout == "bhsd" else (2, 77, 3, 64)
@@ -420,7 +420,7 @@ def test_gpu_cached_signature_runs_fresh_inputs(dtype, layout):
         o, lse = nbflash.attention(q, k, v, causal=True, layout=layout, return_lse=True)
         dq, dk, dv = nbflash.attention_backward(do, q, k, v, o, lse, causal=True, layout=layout)
         canon = (lambda x: x) if layout == "bhsd" else (lambda x: x.transpose(0, 2, 1, 3))
-        want, _ = attention_reference(*(canon(cp.asnumpy(x)).astype(np.float64) for x in (q, k, v)), causal=True)
+        want, _ = attention_ref(*(canon(cp.asnumpy(x)).astype(np.float64) for x in (q, k, v)), causal=True)
         assert np.abs(canon(cp.asnumpy(o)).astype(np.float64) - want).max() < tol, trial
         # the gradients against the uncached route: forced SIMT and tensor-core runs are cached separately
         again = nbflash.attention_backward(do.copy(), q.copy(), k.copy(), v.copy(), o.copy(), lse.copy(),

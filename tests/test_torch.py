@@ -399,23 +399,6 @@ def test_error_backward_op_dtypes(no_launch):
 # ----------------------------------------------------------------------------
 
 
-def backward_launch_spy(monkeypatch):
-    """Record the descriptors the bridge's GPU backward launches its kernels on: (do, q, k, v, o) and (dq, dk, dv)."""
-    calls = []
-
-    def tc(cfg, do, q, k, v, o, lse, dq, dk, dv, *args, real=nbflash.backward_tc.launch_backward_tc, **kwargs):
-        calls.append(([a.ptr for a in (do, q, k, v, o)], [a.ptr for a in (dq, dk, dv)], kwargs))
-        return real(cfg, do, q, k, v, o, lse, dq, dk, dv, *args, **kwargs)
-
-    def simt(cfg, q, k, v, o, do, lse, dq, dk, dv, *args, real=nbflash.backward.launch_backward, **kwargs):
-        calls.append(([a.ptr for a in (do, q, k, v, o)], [a.ptr for a in (dq, dk, dv)], kwargs))
-        return real(cfg, q, k, v, o, do, lse, dq, dk, dv, *args, **kwargs)
-
-    monkeypatch.setattr(nbflash.backward_tc, "launch_backward_tc", tc)
-    monkeypatch.setattr(nbflash.backward, "launch_backward", simt)
-    return calls
-
-
 def launch_spy(monkeypatch):
     """Record the descriptors (nbflash._launch.ArrayArg) the bridge's GPU forward launches a kernel on."""
     calls = []
@@ -430,11 +413,28 @@ def launch_spy(monkeypatch):
     return calls
 
 
+def replay_spy(monkeypatch):
+    """Record the pointers each replayed recipe (nbflash._launch.Recipe) launches on: what the kernels read
+    and write, in the order the bridge records them (forward: q, k, v, o, lse; backward: do, q, k, v, o, lse,
+    dq, dk, dv, scratch)."""
+    from nbflash import _launch
+
+    calls = []
+    real = _launch.Recipe.__call__
+
+    def spy(self, ptrs, stream, device):
+        calls.append(list(ptrs))
+        return real(self, ptrs, stream, device)
+
+    monkeypatch.setattr(_launch.Recipe, "__call__", spy)
+    return calls
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_gpu_zero_copy_and_torch_owned_outputs(monkeypatch, dtype):
-    fwd = launch_spy(monkeypatch)
-    bwd = backward_launch_spy(monkeypatch)
+    fwd = launch_spy(monkeypatch)  # (kernel dtype) the descriptors a recipe was recorded from
+    replays = replay_spy(monkeypatch)  # (pointers) every replay, the first call's included
     qkv = torch.randn(2, 200, 3, 4, 64, device="cuda", dtype=dtype)
     q, k, v = (qkv[:, :, i].requires_grad_() for i in range(3))  # bshd slices: no copies
     gc.collect()  # earlier tests' tensors freed now, not during the call we measure
@@ -445,21 +445,26 @@ def test_gpu_zero_copy_and_torch_owned_outputs(monkeypatch, dtype):
     lse_bytes = 2 * 4 * 200 * 4
     # o and lse came from PyTorch's caching allocator (CuPy's pool would not show here).
     assert torch.cuda.memory_allocated() - before >= o_bytes + lse_bytes
-    in_ptrs, out_ptrs, kernel_dtype = fwd[0]
-    assert in_ptrs == [t.data_ptr() for t in (q, k, v)]
-    assert out_ptrs[0] == o.data_ptr()
+    kernel_dtype = fwd[0][2]
+    ptrs = replays[0]
+    assert ptrs[:3] == [t.data_ptr() for t in (q, k, v)]
+    assert ptrs[3] == o.data_ptr()
     assert (kernel_dtype == np.uint16) == (dtype == torch.bfloat16)
     assert o.untyped_storage().data_ptr() == o.data_ptr() and o._base is None
     o.record_stream(torch.cuda.Stream())  # works only on allocator-owned storage, must not raise
 
     do = torch.randn_like(o)
     dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
-    in_ptrs, out_ptrs, _ = bwd[0]
-    assert in_ptrs[0] == do.data_ptr()
-    assert in_ptrs[1:5] == [t.data_ptr() for t in (q, k, v, o)]
+    ptrs = replays[1]
+    assert ptrs[0] == do.data_ptr()
+    assert ptrs[1:5] == [t.data_ptr() for t in (q, k, v, o)]
     # dq, dk, dv are written by the kernels straight into the tensors autograd returns.  (Accumulating
     # into .grad of a strided leaf may copy: that is autograd's gradient-layout rule, not the bridge.)
-    assert out_ptrs == [t.data_ptr() for t in (dq, dk, dv)]
+    assert ptrs[6:9] == [t.data_ptr() for t in (dq, dk, dv)]
+    # A second call of the same signature replays the recipe on its own tensors.
+    o2 = nbt.attention(q, k, v, causal=True, layout="bshd")
+    assert replays[2][:4] == [t.data_ptr() for t in (q, k, v, o2)] and o2.data_ptr() != o.data_ptr()
+    assert torch.equal(o2, o)
 
 
 @pytest.mark.gpu
