@@ -41,7 +41,14 @@ KIND = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 # (block_m, block_n, q_in_regs, m_tiles) per head dim.
 CANDIDATES = {
     64: [(64, 64, True, 1), (128, 64, True, 2), (128, 32, True, 2), (64, 64, True, 2)],
-    128: [(64, 32, True, 1), (64, 64, True, 1), (128, 32, False, 2), (64, 32, False, 2), (128, 64, False, 1)],
+    128: [
+        (64, 32, True, 1),
+        (64, 64, True, 1),
+        (128, 32, False, 2),
+        (64, 32, False, 2),
+        (128, 64, False, 1),
+        (128, 64, False, 2),  # FlashAttention-2's D = 128 tiles: 4 warps × 32 rows, Q re-read from shared memory
+    ],
     256: [(64, 32, False, 1)],
 }
 #: Head dims checked for correctness only (the default configuration).
@@ -166,6 +173,8 @@ def main():
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--configs", help="only these candidates, by tag (e.g. 64x64,128x64s/2); no check-only dims")
+    ap.add_argument("--suffix", default="", help="appended to the JSON's file name")
     args = ap.parse_args()
     dtypes = [{"bf16": torch.bfloat16, "fp16": torch.float16}[s] for s in args.dtypes.split(",")]
     dims = [int(x) for x in args.dims.split(",")]
@@ -179,7 +188,11 @@ def main():
     env = environment()
     log(json.dumps(env))
     cfgs = [T.TCConfig(bm, bn, d, KIND[dt], qr, mt) for d in dims for dt in dtypes for bm, bn, qr, mt in CANDIDATES[d]]
-    cfgs += [T.choose_config(d, KIND[dt]) for d in CHECK_ONLY if d not in dims for dt in dtypes]
+    if args.configs:
+        wanted = set(args.configs.split(","))
+        cfgs = [c for c in cfgs if tag(c) in wanted]
+    else:
+        cfgs += [T.choose_config(d, KIND[dt]) for d in CHECK_ONLY if d not in dims for dt in dtypes]
     compiled = []
     for cfg in cfgs:
         t0 = time.perf_counter()
@@ -219,7 +232,7 @@ def main():
                     log(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     os.makedirs(args.out, exist_ok=True)
     dev = torch.cuda.get_device_name().replace(" ", "-")
-    path = os.path.join(args.out, f"tc-forward-{dev}-{datetime.date.today()}.json")
+    path = os.path.join(args.out, f"tc-forward-{dev}-{datetime.date.today()}{args.suffix}.json")
     with open(path, "w") as f:
         json.dump(
             {

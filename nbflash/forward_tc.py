@@ -161,14 +161,15 @@ def forward_tc_kernel(cfg: TCConfig):
     K_STEPS = D_PAD // 16  # k-steps of Q K^T
     QF_STEPS = K_STEPS if Q_IN_REGS else 1  # Q fragments held at once
     PV_STEPS = BLOCK_N // 16  # k-steps of P V
-    # O += P V runs as two loop nests over the two halves of O's 16-column pairs when one nest would hold
-    # more than 64 mma: NVVM fully unrolls a nest of 64 (every P and O index a constant), not of 128.
-    D_PAIRS = D_TILES // 2
-    PV_SPLIT = D_PAIRS if PV_STEPS * D_PAIRS * 2 * cfg.m_tiles <= 64 else D_PAIRS // 2
+    # O += P V is two loop nests, over the first and the second half of the k-steps, when a single nest would
+    # hold more than 64 mma (D = 128, 64 keys, two m-tiles: 128).  NVVM unrolls a nest of 64 fully, so that
+    # every S index is a constant; one of 128 it leaves a loop over k-steps, S[2kk] is indexed at run time
+    # and S goes to the stack (local memory).
+    PV_SPLIT = PV_STEPS if PV_STEPS * D_TILES * cfg.m_tiles <= 64 else PV_STEPS // 2
     NEG_INF = numba.float32(-math.inf)  # a float32 constant: a Python float would make the softmax float64
     ZERO = numba.float32(0)
     FULL = 0xFFFFFFFF
-    u64 = numba.uint64
+    u32, u64 = numba.uint32, numba.uint64
     SMEM_ALIGN = None if SIMULATOR else 16
     mma = I.mma_m16n8k16_f16 if cfg.input_kind == "float16" else I.mma_m16n8k16_bf16
     pack = I.pack_f16x2 if cfg.input_kind == "float16" else I.pack_bf16x2
@@ -182,13 +183,16 @@ def forward_tc_kernel(cfg: TCConfig):
         Each thread copies the 16-byte chunks ``tid, tid + THREADS, ...`` of the
         tile: a loop of constant trip count (unrolled), in unsigned arithmetic
         so that ``//`` and ``%`` by the power-of-two CHUNKS are shifts and masks.
+        When THREADS is a multiple of CHUNKS (D_PAD a power of two), a thread
+        copies the same chunk of rows ``tid // CHUNKS + it · THREADS / CHUNKS``,
+        written so: one offset plus constants, rather than a row per iteration
+        that the compiler would keep in a register through the whole key loop.
         """
         ITERS = -(-ROWS * CHUNKS // THREADS)
         EXACT = ROWS * CHUNKS % THREADS == 0
-        U_CHUNKS, U_PITCH, U_THREADS, U_TOTAL = (np.uint64(x) for x in (CHUNKS, PITCH, THREADS, ROWS * CHUNKS))
-        U_DATA = np.uint64(DATA_CHUNKS)
         SAME_CHUNK = THREADS % CHUNKS == 0
-        U_ROW_STEP = np.uint64(THREADS // CHUNKS)
+        U_CHUNKS, U_PITCH, U_THREADS, U_TOTAL = (np.uint64(x) for x in (CHUNKS, PITCH, THREADS, ROWS * CHUNKS))
+        U_DATA, U_ROW_STEP = np.uint64(DATA_CHUNKS), np.uint64(THREADS // CHUNKS)
 
         def load_tile(smem, offset, src, b, h, start, seqlen, tid):
             for it in range(ITERS):
@@ -254,8 +258,8 @@ def forward_tc_kernel(cfg: TCConfig):
 
     def mask_scores(S, first_row, k_start, seqlen_q, seqlen_k, causal, g, t):
         """S = -inf where a key is past the visible end of row first_row + g or + g + 8 (ragged tail or above
-        the causal diagonal).  The ends are recomputed here, on the few masked tiles, rather than held in
-        registers through the whole loop."""
+        the causal diagonal).  The ends are computed here, on the few masked tiles, not held in registers
+        through the whole key loop."""
         for r in range(2):
             key_end = d_row_key_end(first_row + g + 8 * r, seqlen_q, seqlen_k, causal)
             first_hidden = key_end - k_start - 2 * t  # key 8n + c is hidden iff 8n + c ≥ this
@@ -288,24 +292,26 @@ def forward_tc_kernel(cfg: TCConfig):
                 acc[dt, 2 * r] *= alpha
                 acc[dt, 2 * r + 1] *= alpha
 
-    def p_frags(P, S):
-        """P's A fragments, P[kk] for keys 16kk .. 16kk + 15: S tiles 2kk, 2kk + 1 packed to 16 bits (no shuffle)."""
-        for kk in range(PV_STEPS):
-            P[kk, 0] = pack(S[2 * kk, 0], S[2 * kk, 1])  # row g,     keys 2t, 2t + 1
-            P[kk, 1] = pack(S[2 * kk, 2], S[2 * kk, 3])  # row g + 8, keys 2t, 2t + 1
-            P[kk, 2] = pack(S[2 * kk + 1, 0], S[2 * kk + 1, 1])  # row g,     keys 8 + 2t, 8 + 2t + 1
-            P[kk, 3] = pack(S[2 * kk + 1, 2], S[2 * kk + 1, 3])  # row g + 8, keys 8 + 2t, 8 + 2t + 1
+    def p_frags(P, S, kk):
+        """P's A fragment for keys 16kk .. 16kk + 15: S tiles 2kk, 2kk + 1 packed to 16 bits (no shuffle)."""
+        P[0, 0] = pack(S[2 * kk, 0], S[2 * kk, 1])  # row g,     keys 2t, 2t + 1
+        P[0, 1] = pack(S[2 * kk, 2], S[2 * kk, 3])  # row g + 8, keys 2t, 2t + 1
+        P[0, 2] = pack(S[2 * kk + 1, 0], S[2 * kk + 1, 1])  # row g,     keys 8 + 2t, 8 + 2t + 1
+        P[0, 3] = pack(S[2 * kk + 1, 2], S[2 * kk + 1, 3])  # row g + 8, keys 8 + 2t, 8 + 2t + 1
 
-    def pv_product(acc0, acc1, P0, P1, smem, v_base, first, end):
-        """acc += P V_j for O's 16-column pairs [first, end) of every m-tile: each V fragment (16 keys × 16 of
-        D, ``ldmatrix.trans``) feeds every m-tile of the warp."""
-        for kk in range(PV_STEPS):
-            for d2 in range(first, end):
+    def pv_product(acc0, acc1, S0, S1, P0, P1, smem, v_base, first, end):
+        """acc += P V_j over the k-steps [first, end) (keys 16·first .. 16·end - 1), for every m-tile: each V
+        fragment (16 keys × 16 of D, ``ldmatrix.trans``) feeds every m-tile of the warp."""
+        for kk in range(first, end):
+            p_frags(P0, S0, kk)
+            if TWO:
+                p_frags(P1, S1, kk)
+            for d2 in range(D_TILES // 2):
                 vb = I.ldmatrix_x4_trans(smem, v_base + 16 * kk * PITCH + 16 * d2)
                 for half in range(2):
-                    mma_into(acc0, 2 * d2 + half, P0, kk, vb[2 * half], vb[2 * half + 1])
+                    mma_into(acc0, 2 * d2 + half, P0, 0, vb[2 * half], vb[2 * half + 1])
                     if TWO:
-                        mma_into(acc1, 2 * d2 + half, P1, kk, vb[2 * half], vb[2 * half + 1])
+                        mma_into(acc1, 2 * d2 + half, P1, 0, vb[2 * half], vb[2 * half + 1])
 
     def write_rows(o, lse, acc, m_i, l_i, b, h, first_row, seqlen_q, g, t):
         """O = acc / l, lse = m + log l for rows first_row + g, + g + 8 (head-dim padding not written)."""
@@ -340,7 +346,7 @@ def forward_tc_kernel(cfg: TCConfig):
         q_start = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BLOCK_M  # longest causal rows first
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
-        tid = cuda.threadIdx.x
+        tid = numba.int64(u32(cuda.threadIdx.x))  # known ≥ 0: no sign fix-ups in // and % below
         warp = tid // 32
         lane = tid % 32
         g = lane // 4  # this thread's rows of every fragment: g and g + 8 ...
@@ -351,13 +357,13 @@ def forward_tc_kernel(cfg: TCConfig):
         qf0 = cuda.local.array((QF_STEPS, 4), numba.uint32)  # Q A-fragments
         S0 = cuda.local.array((N_TILES, 4), numba.float32)  # S (then P) accumulators
         acc0 = cuda.local.array((D_TILES, 4), numba.float32)  # O accumulators
-        P0 = cuda.local.array((PV_STEPS, 4), numba.uint32)  # P A-fragments
+        P0 = cuda.local.array((1, 4), numba.uint32)  # P A-fragments of one k-step
         m0 = cuda.local.array(2, numba.float32)  # rows g, g + 8: running max (base-2 scaled) ...
-        l0 = cuda.local.array(2, numba.float32)  # ... this lane's share of the running sum ...
+        l0 = cuda.local.array(2, numba.float32)  # ... and this lane's share of the running sum
         qf1 = cuda.local.array((QF_STEPS, 4), numba.uint32)  # the same for the second m-tile
         S1 = cuda.local.array((N_TILES, 4), numba.float32)
         acc1 = cuda.local.array((D_TILES, 4), numba.float32)
-        P1 = cuda.local.array((PV_STEPS, 4), numba.uint32)
+        P1 = cuda.local.array((1, 4), numba.uint32)
         m1 = cuda.local.array(2, numba.float32)
         l1 = cuda.local.array(2, numba.float32)
         init_rows(m0, l0, acc0)
@@ -427,12 +433,9 @@ def forward_tc_kernel(cfg: TCConfig):
                 online_softmax(S1, acc1, m1, l1, scale_log2)
 
             # Step 2e: O += P V_j; the accumulator layout of S *is* P's A-fragment layout (FlashAttention-2).
-            p_frags(P0, S0)
-            if TWO:
-                p_frags(P1, S1)
             v_base = V_OFF + buf * KV_STRIDE + v_lane
-            pv_product(acc0, acc1, P0, P1, smem, v_base, 0, PV_SPLIT)
-            pv_product(acc0, acc1, P0, P1, smem, v_base, PV_SPLIT, D_PAIRS)  # empty unless split
+            pv_product(acc0, acc1, S0, S1, P0, P1, smem, v_base, 0, PV_SPLIT)
+            pv_product(acc0, acc1, S0, S1, P0, P1, smem, v_base, PV_SPLIT, PV_STEPS)  # empty unless split (PV_SPLIT)
             cuda.syncthreads()  # everyone is done with buffer `buf` before iteration j + 1 refills it
 
         I.cp_async_wait_all()  # nothing left in flight (only Q's group when no key tile was visible)
@@ -459,10 +462,11 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
 
     * D ≤ 64: 128 × 64 tiles, 4 warps of two m-tiles (FlashAttention-2's
       layout) — 239 / 278 / 293 non-causal against 197 / 224 / 235 for
-      64 × 64 with one m-tile per warp; 244 registers, nothing in local memory.
+      64 × 64 with one m-tile per warp; 229 registers, nothing in local memory.
     * D ≤ 128: 64 × 64 tiles, one m-tile per warp, Q in registers — 209 / 245 /
-      249; the two-m-tile 128 × 32 (Q re-read from shared memory, 255
-      registers) is within 2 % on average, 64 × 32 within 1 %.
+      249; the two-m-tile 128 × 32 (Q re-read from shared memory, 231
+      registers) is within 2 % on average, 64 × 32 within 1 %.  FlashAttention-2's
+      128 × 64 with two m-tiles (255 registers) is a candidate not yet swept.
     * D > 128: 64 × 32 tiles with Q re-read from shared memory, so that S, P
       and O (128 registers at D = 256) still fit.
 

@@ -4,8 +4,9 @@ In the simulator the tiles are 32 queries (2 warps) × 16 keys, so short odd
 sequences cross every edge: ragged query and key tiles, causal diagonals in
 both directions, rows that see no key.  The error must stay within twice that
 of a naive attention in the same 16-bit precision (the flash-attn rule).
-Without a GPU, every GPU configuration is compiled and assembled for sm_90,
-with nothing in local memory and no spills.
+Without a GPU, every GPU configuration (and the sweep candidates of
+``EXTRA_TARGETS``) is compiled and assembled for sm_90, with nothing in local
+memory and no spills.
 """
 
 from __future__ import annotations
@@ -117,6 +118,14 @@ def test_forward_tc_two_m_tiles_per_warp(xp, rng, kind):
     run_and_check(xp, rng, 70, 37, 32, kind, True, cfg=cfg, heads=1)
 
 
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+def test_forward_tc_pv_in_two_loop_nests(xp, rng, kind):
+    """One warp of FlashAttention-2's D = 128 layout (2 m-tiles, 64 keys, Q re-read from shared memory): 128
+    products per key tile in O += P V, so they run as two loop nests over the two halves of the keys."""
+    cfg = F.TCConfig(32, 64, 128, kind, q_in_regs=False, m_tiles=2)
+    run_and_check(xp, rng, 45, 101, 128, kind, True, cfg=cfg, heads=1)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("d", [64, 128])
 def test_forward_tc_gpu_configuration(xp, rng, d):
@@ -143,6 +152,10 @@ def test_can_implement_rejects_misaligned_rows():
         F.launch_forward_tc(cfg, q, q, q, q.copy(), np.zeros((1, 1, 8), np.float32), -0.5, False)
 
 
+# Sweep candidates (benchmarks/tc_sweep.py) that are not defaults but must stay in registers too:
+# (block_m, block_n, head_dim, q_in_regs, m_tiles), each in float16 and bfloat16.
+EXTRA_TARGETS = [(128, 64, 128, False, 2)]
+
 _PTX_SCRIPT = r"""
 import json, re, sys
 from nbflash import forward_tc as F
@@ -150,7 +163,11 @@ from nbflash._device import SIMULATOR, compile_ptx_offline
 assert not SIMULATOR
 from cuda.bindings import nvjitlink
 part, parts = int(sys.argv[1]), int(sys.argv[2])
-for i, (name, cfg, kern, sig, fastmath) in enumerate(F.compile_targets()):
+extra = [F.TCConfig(bm, bn, d, kind, q_in_regs=qr, m_tiles=mt)
+         for bm, bn, d, qr, mt in json.loads(sys.argv[3]) for kind in ("float16", "bfloat16")]
+targets = F.compile_targets() + [("flash_forward_tc", c, F.forward_tc_kernel(c), F.kernel_signature(c), True)
+                                 for c in extra]
+for i, (name, cfg, kern, sig, fastmath) in enumerate(targets):
     if i % parts != part:
         continue
     ptx = compile_ptx_offline(kern.py_func, sig, cc=(9, 0), fastmath=fastmath)
@@ -173,14 +190,15 @@ for i, (name, cfg, kern, sig, fastmath) in enumerate(F.compile_targets()):
 
 
 def test_forward_tc_compiles_for_sm90_in_registers():
-    """Every GPU configuration: NVVM → PTX → ptxas (nvJitLink), no local memory, no spills, loops unrolled."""
+    """Every GPU configuration, and the extra sweep candidates: NVVM → PTX → ptxas (nvJitLink), no local
+    memory, no spills, loops unrolled."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _PTX_SCRIPT, str(i), "2"],
+            [sys.executable, "-c", _PTX_SCRIPT, str(i), "2", json.dumps(EXTRA_TARGETS)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -193,7 +211,7 @@ def test_forward_tc_compiles_for_sm90_in_registers():
         out, err = p.communicate(timeout=900)
         assert p.returncode == 0, err[-4000:]
         rows += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    assert len(rows) == len(F.compile_targets())
+    assert len(rows) == len(F.compile_targets()) + 2 * len(EXTRA_TARGETS)
     for row in rows:
         assert row["local"] == 0 and row["spill_bytes"] == 0 and row["stack"] == 0, row
         d, bn, mt = -(-row["head_dim"] // 16) * 16, row["block_n"], row["m_tiles"]
