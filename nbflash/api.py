@@ -11,7 +11,7 @@ from . import backward as _bwd
 from . import backward_tc as _bwd_tc
 from . import forward as _simt
 from . import forward_tc as _tc
-from ._device import SIMULATOR, compute_capability, stream_handle
+from ._device import SIMULATOR, compute_capability, max_shared_per_block, stream_handle
 from ._streams import array_device, current_stream
 from ._validate import Problem, canonical, check_attention, check_device, check_like
 
@@ -47,7 +47,7 @@ def plan_forward(head_dim: int, input_kind: str, scale: float, q, k, v, backend:
     elif not scale > 0:
         why = f"scale {scale} is not positive"
     if not why:
-        cfg = _tc.choose_config(head_dim, input_kind)
+        cfg = _tc.choose_config(head_dim, input_kind, max_shared=max_shared_per_block())
         ok, why = _tc.can_implement(cfg, q, k, v)
     return _settle(backend, why, simt, cfg, "this call")
 

@@ -454,7 +454,9 @@ def forward_tc_kernel(cfg: TCConfig):
 
 
 @functools.cache
-def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR) -> TCConfig:
+def choose_config(
+    head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR, max_shared: int | None = None
+) -> TCConfig:
     """The configuration for a head dim (any multiple of 8 up to 256), chosen by the H200 sweeps.
 
     ``benchmarks/results/tc-forward-*`` (``benchmarks/tc_sweep.py``), bf16 and
@@ -463,24 +465,44 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
     * D ≤ 64: 128 × 64 tiles, 4 warps of two m-tiles (FlashAttention-2's
       layout) — 239 / 278 / 293 non-causal against 197 / 224 / 235 for
       64 × 64 with one m-tile per warp; 229 registers, nothing in local memory.
-    * D ≤ 128: 64 × 64 tiles, one m-tile per warp, Q in registers — 209 / 245 /
-      249; the two-m-tile 128 × 32 (Q re-read from shared memory, 231
-      registers) is within 2 % on average, 64 × 32 within 1 %.  FlashAttention-2's
-      128 × 64 with two m-tiles (255 registers) is a candidate not yet swept.
+    * D = 128 (a padded head dim of 128): FlashAttention-2's 128 × 64 tiles,
+      4 warps of two m-tiles, Q re-read from shared memory (255 registers,
+      nothing in local memory, 102 KB of shared memory) — 287 TFLOP/s at
+      N = 4k against 212 for 64 × 64 with one m-tile in the same run
+      (``tc-forward-*-fa2-d128.json``; causal 245 against 201).
+    * 64 < D < 128: 64 × 64 tiles, one m-tile per warp, Q in registers — the
+      D = 128 default before the 128 × 64 layout fitted in registers (209 / 245
+      / 249 at D = 128); the two-m-tile 128 × 32 is within 2 %.
     * D > 128: 64 × 32 tiles with Q re-read from shared memory, so that S, P
       and O (128 registers at D = 256) still fit.
 
     In the simulator, 2 warps and 16-key tiles keep the Python threads few
     while small sequences still cross tile edges.
+
+    ``max_shared``: the device's shared memory per block (bytes), if known; a
+    GPU with less than the chosen tiles need (e.g. 99 KB on sm_86/sm_89
+    against 102 KB for D = 128) gets the next smaller layout instead of none.
     """
     if simulator:
         return TCConfig(32, 16, head_dim, input_kind, q_in_regs=head_dim <= 128)
     d_pad = -(-head_dim // 16) * 16
     if d_pad <= 64:
-        return TCConfig(128, 64, head_dim, input_kind, m_tiles=2)
-    if d_pad <= 128:
-        return TCConfig(64, 64, head_dim, input_kind)
-    return TCConfig(64, 32, head_dim, input_kind, q_in_regs=False)
+        choices = [TCConfig(128, 64, head_dim, input_kind, m_tiles=2), TCConfig(64, 64, head_dim, input_kind)]
+    elif d_pad == 128:
+        choices = [
+            TCConfig(128, 64, head_dim, input_kind, q_in_regs=False, m_tiles=2),
+            TCConfig(64, 64, head_dim, input_kind),
+        ]
+    elif d_pad < 128:
+        choices = [TCConfig(64, 64, head_dim, input_kind)]
+    else:
+        choices = [TCConfig(64, 32, head_dim, input_kind, q_in_regs=False)]
+    choices.append(TCConfig(64, 32, head_dim, input_kind, q_in_regs=False))  # the smallest, for any head dim
+    if max_shared is not None:
+        for cfg in choices:
+            if shared_bytes(cfg) <= max_shared:
+                return cfg
+    return choices[0]
 
 
 def can_implement(cfg: TCConfig, *arrays) -> tuple[bool, str]:

@@ -154,7 +154,7 @@ def test_can_implement_rejects_misaligned_rows():
 
 # Sweep candidates (benchmarks/tc_sweep.py) that are not defaults but must stay in registers too:
 # (block_m, block_n, head_dim, q_in_regs, m_tiles), each in float16 and bfloat16.
-EXTRA_TARGETS = [(128, 64, 128, False, 2)]
+EXTRA_TARGETS = [(64, 64, 128, True, 1)]  # the D = 128 default before FA2's 128 x 64 fitted
 
 _PTX_SCRIPT = r"""
 import json, re, sys
@@ -274,3 +274,18 @@ def test_which_backend_reasons(xp, rng):
         nbflash.attention(q, q, q, scale=-1.0, backend="tensor_core")
     with pytest.raises(ValueError, match="backend must be one of"):
         nbflash.attention(q, q, q, backend="cuda")
+
+
+@pytest.mark.parametrize("d", [40, 64, 96, 128, 200, 256])
+def test_choose_config_fits_the_device_shared_memory(d):
+    """On a GPU with less shared memory per block the choice steps down to tiles that fit, never to none."""
+    best = F.choose_config(d, "float16", simulator=False)
+    assert F.choose_config(d, "float16", simulator=False, max_shared=227 * 1024) == best
+    for limit in (163 * 1024, 99 * 1024, 64 * 1024):  # A100, sm_86/sm_89, a small budget
+        cfg = F.choose_config(d, "float16", simulator=False, max_shared=limit)
+        smallest = F.TCConfig(64, 32, d, "float16", q_in_regs=False)
+        assert F.shared_bytes(cfg) <= limit or cfg == best and F.shared_bytes(smallest) > limit, (d, limit, cfg)
+    if d == 128:  # FlashAttention-2's 128 x 64 needs 102 KB: sm_86 gets 64 x 64
+        assert F.shared_bytes(best) > 99 * 1024
+        small = F.choose_config(128, "float16", simulator=False, max_shared=99 * 1024)
+        assert small == F.TCConfig(64, 64, 128, "float16")
