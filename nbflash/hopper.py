@@ -1,0 +1,732 @@
+"""Hopper (sm_90a) tensor-core building blocks: ``wgmma.mma_async`` and its shared-memory descriptors.
+
+The pattern is that of :mod:`nbflash.intrinsics`: every instruction is an
+``@intrinsic`` emitting inline PTX, with a Python implementation of the
+hardware's semantics chosen in Numba's CUDA simulator; layout helpers are
+written once (host functions, plus ``d_`` device versions) and used by kernels,
+by the simulator and by the tests.
+
+The instructions
+================
+
+``wgmma.mma_async`` (:func:`wgmma_m64n64k16_f16` and friends)
+    D (64×N, float32) = A (64×16) · Bᵀ (B is N×16) + D, computed by the four
+    warps of a *warpgroup* (128 consecutive threads, the first warp's index a
+    multiple of 4) together.  A and B are *not* in registers: each is described
+    by a 64-bit **matrix descriptor** (:func:`make_smem_desc`) naming where in
+    shared memory the tile lies and how it is laid out, and the tensor cores
+    read it themselves.  Only D lives in registers, N/2 float32 per thread.  The
+    instruction is *asynchronous*: it returns at once, and the accumulators may
+    be neither read nor written until a :func:`wgmma_wait_group` covers it.
+    Here both A and B come from shared memory (the "SS" form), both K-major
+    (``imm-trans-a = imm-trans-b = 0``: a row of A, and a row of B, is 16
+    consecutive k), ``imm-scale-a = imm-scale-b = 1``.  ``scale_d`` is a runtime
+    predicate: 0 computes D = A·Bᵀ, ignoring the old D (the first k-step).
+``wgmma.fence.sync.aligned`` (:func:`wgmma_fence`)
+    Orders this warp's earlier *register* accesses before the following
+    wgmma's: required before the first ``wgmma.mma_async`` of a batch and
+    whenever the accumulators were touched by ordinary instructions in between
+    (say, rescaled by the online softmax).
+``wgmma.commit_group`` / ``wgmma.wait_group N`` (:func:`wgmma_commit_group`, :func:`wgmma_wait_group`)
+    Close the wgmmas issued since the last commit into a group; wait until at
+    most N groups are still running (N an immediate: a compile-time constant).
+    Only after the wait may the accumulators be used.
+``fence.proxy.async.shared::cta`` (:func:`fence_proxy_async`)
+    The tensor cores read shared memory through the *async proxy*; ordinary
+    ``st.shared`` (and ``cp.async``) writes go through the *generic proxy*, and
+    the two are not ordered with each other.  A thread that wrote a tile with
+    normal stores must execute this fence *before* the barrier that precedes
+    the wgmma reading it.  (TMA writes through the async proxy and needs none.)
+
+The protocol, per k-loop iteration::
+
+    (write A, B tiles to shared memory with st.shared / cp.async + cp_async_wait)
+    fence_proxy_async()                  # my generic-proxy writes → visible to the async proxy
+    cuda.syncthreads()                   # ... and everybody's writes are done
+    acc = wgmma_fence_operand(acc)       # (after rescaling acc:) the compiler finishes those writes here
+    wgmma_fence()                        # my register writes (acc) are done before wgmma reads them
+    acc = wgmma_m64n64k16_f16(da, db, acc, scale_d)   # may be issued several times
+    wgmma_commit_group()
+    wgmma_wait_group(0)                  # the accumulators are final now
+    acc = wgmma_fence_operand(acc)       # ... and the compiler may not use them any earlier
+
+:func:`wgmma_fence_operand` is CUTLASS's ``warpgroup_fence_operand``: an empty
+``asm volatile`` that takes and returns every accumulator.  The wgmma's inline
+asm "returns" its outputs immediately as far as LLVM knows, so without it pure
+arithmetic on the accumulators could be scheduled above the (volatile) wait;
+before the fence, it keeps arithmetic that writes the accumulators from
+sinking below ``wgmma.fence`` (volatile statements keep their order).
+
+The matrix descriptor (PTX ISA, "Matrix Descriptor Format" of wgmma)
+=====================================================================
+
+::
+
+    bits  0-13   (start address & 0x3FFFF) >> 4        shared-window byte address of the tile
+    bits 16-29   (leading dimension byte offset) >> 4   LBO
+    bits 32-45   (stride dimension byte offset) >> 4    SBO
+    bits 49-51   base offset (0 when the swizzle pattern starts 1024/512/256-byte aligned)
+    bits 62-63   swizzle: 0 none ("interleave"), 1 128-byte, 2 64-byte, 3 32-byte
+
+The tile is built of **core matrices**: 8 rows × 16 bytes (8 f16/bf16 along
+K), each row 16 contiguous bytes, the 8 rows 16 bytes apart (128 contiguous
+bytes).  K-major, no swizzle — a 64×16 A tile is 8×2 core matrices::
+
+                  k 0..7            k 8..15
+    rows  0.. 7  [core 0,0] --LBO-->[core 0,1]        core matrix = 128 contiguous bytes:
+                   |                                    row r, k-element e at  16·r + 2·e
+                  SBO
+                   v
+    rows  8..15  [core 1,0]         [core 1,1]
+    ...
+    rows 56..63  [core 7,0]         [core 7,1]
+
+    byte(row, k) = start + (row // 8)·SBO + (k // 8)·LBO + 16·(row % 8) + 2·(k % 8)
+
+LBO: between the two core matrices adjacent in K; SBO: between core matrices
+adjacent in M (N for B).  Any placement of the core matrices that these two
+strides describe is allowed (:func:`kmajor_interleave_offset`).
+
+128-byte swizzle, K-major: the unit is an *atom* of 8 rows × 128 bytes (64
+f16 along K) in 1024 contiguous bytes, row r at 128·r; SBO is the distance
+between atoms along M/N (1024 for atoms stacked densely), LBO is unused.
+Within each row the eight 16-byte chunks are permuted: logical chunk c is
+stored at chunk c ^ (r % 8) (:func:`kmajor_sw128_offset`)::
+
+    row 0:  c0 c1 c2 c3 c4 c5 c6 c7
+    row 1:  c1 c0 c3 c2 c5 c4 c7 c6
+    row 2:  c2 c3 c0 c1 c6 c7 c4 c5
+    ...
+    row 7:  c7 c6 c5 c4 c3 c2 c1 c0
+
+The hardware applies the XOR to the *address*: it forms ``start + (row // 8)·SBO
++ 128·(row % 8) + 16·chunk + 2·e`` and XORs address bits 4-6 with bits 7-9
+(CuTe's ``Swizzle<3,4,3>``; 64 B: bits 4-5 with 7-8; 32 B: bit 4 with bit 7) —
+see :func:`smem_desc_address`.  That is why a wgmma k-step of 16 elements
+(32 bytes) within a 64-wide atom is taken by adding 32 bytes to the start
+address (CUTLASS's descriptor iterator does exactly this), and why the atoms
+must be 1024-byte aligned for a base offset of 0.
+
+Sources checked: PTX ISA 9.7.15.5.1 "Register Fragments and Shared Memory
+Matrix Layouts", "Shared Memory Matrix Layout" and 9.7.15.5.1.2.2 "Matrix
+Descriptor Format" (https://docs.nvidia.com/cuda/parallel-thread-execution/ ,
+read through the mirror https://ptx.poole.ai/docs/09-instruction-set/15-wgmma/
+mma-async/matrix-descriptor and .../register-fragments); CUTLASS
+``include/cute/arch/mma_sm90_desc.hpp`` (``GmmaDescriptor`` bit fields, layout
+types INTERLEAVE=0, B128=1, B64=2, B32=3) and
+``include/cute/atom/mma_traits_sm90_gmma.hpp`` (``make_gmma_desc``: K-major
+INTERLEAVE ``((8,m),(T,2)):((1T,SBO),(1,LBO))``, B128
+``((8,m),(T,2)):((8T,SBO),(1,T))`` under ``Swizzle<3,4,3>``; the accumulator
+layout ``CLayout_64xN``); the wgmma operand syntax from the PTX ISA examples.
+
+Accumulator layout
+==================
+
+Warp w of the warpgroup owns rows 16w..16w+15; within it, lane = 4g + t holds,
+for every 8-column block j, the four values ``(16w+g, 8j+2t)``,
+``(16w+g, 8j+2t+1)``, ``(16w+g+8, 8j+2t)``, ``(16w+g+8, 8j+2t+1)`` as registers
+4j..4j+3 — the mma.sync m16n8 C layout, repeated N/8 times along the columns
+and 4 times (once per warp) down the rows (:func:`acc_frag_index`).
+
+The simulator
+=============
+
+A descriptor is only an integer, so the simulator needs to know which shared
+array an address points into: :func:`smem_address` — the only way a kernel gets
+a shared address here — gives each simulated shared array a fake base
+address, 1024-byte aligned, per block, and remembers it.  The simulated wgmma
+gathers the 128 threads' descriptors and accumulators (a warpgroup-wide
+exchange, like the warp-wide one of :mod:`nbflash.intrinsics`), reads A and
+B byte by byte at the addresses :func:`smem_desc_address` gives (the same
+formula as the hardware's, swizzle included), multiplies in float64 and hands
+each thread its own N/2 values.  It runs at issue time (fence, commit and wait
+are bookkeeping), checks that a :func:`wgmma_fence` preceded each batch and a
+:func:`fence_proxy_async` the first wgmma of a thread, and refuses a non-zero
+base offset (not modelled).
+
+TMA is not used yet: tiles are loaded with ``cp.async`` (or plain stores) and
+the proxy fence.  TMA (``cp.async.bulk.tensor``) needs a *tensor map* made on
+the host with the driver's ``cuTensorMapEncodeTiled`` and passed as a
+``__grid_constant__`` kernel parameter, plus the mbarrier arrive/expect-tx/
+try-wait protocol for completion — both new territory for Numba; next step.
+
+Requires sm_90a (``wgmma`` is an arch-specific feature: PTX ``.target sm_90a``;
+numba-cuda compiles for ``compute_90a`` on an sm_90 device by itself, and
+offline with ``cc=(9, 0, "a")``).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+
+from ._device import SIMULATOR, _sim_lock, device_function, intrinsic
+from .intrinsics import (
+    _F32,
+    _I32,
+    _I64,
+    _asm,
+    _is_flat_array,
+    _is_int,
+    _shared_address,
+    bf16_bits_to_f32,
+    f16_bits_to_f32,
+)
+
+__all__ = [
+    "SWIZZLE_128B",
+    "SWIZZLE_32B",
+    "SWIZZLE_64B",
+    "SWIZZLE_NONE",
+    "WARPGROUP",
+    "WGMMA_N",
+    "acc_frag_index",
+    "d_acc_frag_index",
+    "d_kmajor_interleave_offset",
+    "d_kmajor_sw128_offset",
+    "d_make_smem_desc",
+    "decode_smem_desc",
+    "fence_proxy_async",
+    "kmajor_interleave_offset",
+    "kmajor_sw128_offset",
+    "make_smem_desc",
+    "smem_address",
+    "smem_desc_address",
+    "wgmma",
+    "wgmma_acc_zeros",
+    "wgmma_commit_group",
+    "wgmma_fence",
+    "wgmma_fence_operand",
+    "wgmma_m64n8k16_bf16",
+    "wgmma_m64n8k16_f16",
+    "wgmma_m64n16k16_bf16",
+    "wgmma_m64n16k16_f16",
+    "wgmma_m64n32k16_bf16",
+    "wgmma_m64n32k16_f16",
+    "wgmma_m64n64k16_bf16",
+    "wgmma_m64n64k16_f16",
+    "wgmma_m64n128k16_bf16",
+    "wgmma_m64n128k16_f16",
+    "wgmma_wait_group",
+]
+
+#: Threads of a warpgroup (4 warps).
+WARPGROUP = 128
+#: The N of the ``m64nNk16`` shapes provided.
+WGMMA_N = (8, 16, 32, 64, 128)
+
+#: Swizzle modes (descriptor bits 62-63).
+SWIZZLE_NONE, SWIZZLE_128B, SWIZZLE_64B, SWIZZLE_32B = 0, 1, 2, 3
+_SWIZZLE_BYTES = {SWIZZLE_128B: 128, SWIZZLE_64B: 64, SWIZZLE_32B: 32}
+
+
+# ----------------------------------------------------------------------------
+# Layouts: the accumulator fragment and the K-major shared-memory tiles
+# ----------------------------------------------------------------------------
+
+
+def _acc_frag_index(thread, i):
+    """(row, col) in the 64×N D tile of accumulator ``i`` held by ``thread`` (0..127 within the warpgroup).
+
+    PTX ISA, "WGMMA .m64nNk16 register fragment layout for accumulator D"
+    (CUTLASS ``CLayout_64xN``): warp w = thread // 32 owns rows 16w..16w+15;
+    with g = lane >> 2, t = lane & 3, register i sits at row g (+8 for
+    i % 4 = 2, 3) and column 8·(i // 4) + 2t + (i & 1)::
+
+                 col: 0,1       2,3      ...  6,7      |  8,9     ...
+        row  0     T0 d0,d1   T1 d0,d1   ... T3 d0,d1   | T0 d4,d5 ...
+        row  1     T4 d0,d1   ...                       |
+        ...
+        row  7    T28 d0,d1   ...                       |
+        row  8     T0 d2,d3   T1 d2,d3   ... T3 d2,d3   | T0 d6,d7 ...
+        ...
+        row 15    T28 d2,d3   ...
+        row 16    T32 d0,d1   ...            (warp 1)
+
+    A row's values live in the quad 4g..4g+3 of one warp, as for mma.sync.
+    """
+    w = thread >> 5
+    lane = thread & 31
+    g = lane >> 2
+    t = lane & 3
+    return 16 * w + g + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * t + (i & 1)
+
+
+def _kmajor_interleave_offset(row, k, lbo, sbo):
+    """Byte offset of 16-bit element (row, k) in a K-major no-swizzle tile with strides ``lbo``, ``sbo``.
+
+    Core matrix (row // 8, k // 8) starts at ``(row // 8)·sbo + (k // 8)·lbo``;
+    inside it, row r is the 16 bytes at ``16·(row % 8)``.  Describe the tile with
+    ``make_smem_desc(address, lbo, sbo, SWIZZLE_NONE)``.
+    """
+    return (row >> 3) * sbo + (k >> 3) * lbo + 16 * (row & 7) + 2 * (k & 7)
+
+
+def _kmajor_sw128_offset(row, k):
+    """Byte offset of 16-bit element (row, k) in a K-major, 128-byte-swizzled tile 64 elements wide (in K).
+
+    8-row atoms of 1024 bytes, stacked densely (SBO = 1024); row r of an atom
+    is 128 bytes at ``128·(row % 8)``, its 16-byte chunk c stored at chunk
+    ``c ^ (row % 8)``.  The tile must start 1024-byte aligned; the k-step s
+    (elements 16s..16s+15) is ``make_smem_desc(address + 32·s, 16, 1024, SWIZZLE_128B)``.
+    """
+    return (row >> 3) * 1024 + 128 * (row & 7) + 16 * ((k >> 3) ^ (row & 7)) + 2 * (k & 7)
+
+
+def _make_smem_desc(address, leading_byte_offset, stride_byte_offset, swizzle):
+    """The 64-bit wgmma matrix descriptor (base offset 0); see the module docstring for the fields."""
+    desc = (np.uint64(address) & np.uint64(0x3FFFF)) >> np.uint64(4)
+    desc |= ((np.uint64(leading_byte_offset) & np.uint64(0x3FFFF)) >> np.uint64(4)) << np.uint64(16)
+    desc |= ((np.uint64(stride_byte_offset) & np.uint64(0x3FFFF)) >> np.uint64(4)) << np.uint64(32)
+    desc |= (np.uint64(swizzle) & np.uint64(3)) << np.uint64(62)
+    return desc
+
+
+def make_smem_desc(address, leading_byte_offset, stride_byte_offset, swizzle) -> int:
+    """The wgmma matrix descriptor of a shared-memory tile, as a Python ``int`` (host version).
+
+    ``address``: shared-window byte address of the tile (16-byte aligned; in a
+    kernel, from :func:`smem_address`); ``leading_byte_offset`` (LBO) and
+    ``stride_byte_offset`` (SBO): bytes, multiples of 16, below 2**18;
+    ``swizzle``: one of ``SWIZZLE_NONE``, ``SWIZZLE_128B``, ``SWIZZLE_64B``,
+    ``SWIZZLE_32B``.  Kernels call :data:`d_make_smem_desc` (a ``uint64``).
+    """
+    return int(_make_smem_desc(address, leading_byte_offset, stride_byte_offset, swizzle))
+
+
+def decode_smem_desc(desc):
+    """``(start_address, lbo, sbo, base_offset, swizzle)`` of a descriptor, the byte fields in bytes."""
+    desc = int(desc)
+    return ((desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4,
+            (desc >> 49) & 7, (desc >> 62) & 3)
+
+
+def smem_desc_address(desc, row, k):
+    """Shared byte address the tensor cores read for 16-bit element (row, k) of a K-major operand ``desc``.
+
+    The hardware model the simulator uses (``row``, ``k`` may be NumPy integer
+    arrays).  No swizzle: core-matrix arithmetic with LBO and SBO.  Swizzled:
+    rows of the atom ``width`` bytes apart (128, 64 or 32), LBO unused, then
+    address bits 4.. XORed with bits 7.. (``Swizzle<3,4,3>``, ``<2,4,3>``,
+    ``<1,4,3>`` in CuTe).  A non-zero base offset is not modelled.
+    """
+    start, lbo, sbo, base_offset, swizzle = decode_smem_desc(desc)
+    if base_offset:
+        raise NotImplementedError("wgmma descriptors with a non-zero base offset are not modelled")
+    chunk, e = k // 8, k % 8  # 16-byte chunk along K, element within it
+    if swizzle == SWIZZLE_NONE:
+        return start + (row // 8) * sbo + chunk * lbo + 16 * (row % 8) + 2 * e
+    width = _SWIZZLE_BYTES[swizzle]
+    mask = width // 16 - 1
+    if (start >> 7) & mask:
+        raise NotImplementedError(f"a {width}-byte-swizzled operand must start in row 0 of its swizzle pattern "
+                                  f"(shared address {start:#x}); the base offset that would fix it is not modelled")
+    linear = start + (row // 8) * sbo + width * (row % 8) + 16 * chunk + 2 * e
+    return linear ^ (((linear >> 7) & mask) << 4)
+
+
+# Host versions ...
+acc_frag_index = _acc_frag_index
+kmajor_interleave_offset = _kmajor_interleave_offset
+kmajor_sw128_offset = _kmajor_sw128_offset
+
+# ... and the same source compiled for kernels.
+d_acc_frag_index = device_function(_acc_frag_index)
+d_kmajor_interleave_offset = device_function(_kmajor_interleave_offset)
+d_kmajor_sw128_offset = device_function(_kmajor_sw128_offset)
+d_make_smem_desc = device_function(_make_smem_desc)
+
+
+@functools.cache
+def _acc_table(n):
+    """(128, N/2, 2) array: (row, col) of every accumulator of every thread, from :func:`acc_frag_index`."""
+    return np.array([[_acc_frag_index(t, i) for i in range(n // 2)] for t in range(WARPGROUP)])
+
+
+# ----------------------------------------------------------------------------
+# Simulator: shared addresses, the warpgroup exchange, the instructions
+# ----------------------------------------------------------------------------
+
+
+class _SimSharedSpace:
+    """Fake shared-window addresses of one simulated block's shared arrays.
+
+    Each distinct buffer (the root of a view chain; all dynamic shared arrays
+    share one) gets a 1024-byte-aligned base on first use, as a kernel would
+    get from ``cuda.shared.array(..., alignment=1024)``.
+    """
+
+    _ALIGN = 1024
+
+    def __init__(self):
+        self.regions = []  # (host pointer, nbytes, fake base, uint8 view)
+        self.next = self._ALIGN  # address 0 stays unused
+
+    def address(self, arr, offset):
+        root = arr
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        ptr = root.__array_interface__["data"][0]
+        known = [region[2] for region in self.regions if region[0] == ptr and region[1] >= root.nbytes]
+        if known:
+            base = known[0]
+        else:
+            base = self.next
+            self.regions.append((ptr, root.nbytes, base, root.reshape(-1).view(np.uint8)))
+            self.next = -(-(base + root.nbytes) // self._ALIGN) * self._ALIGN
+            if self.next > 1 << 18:
+                raise ValueError("simulated shared memory exceeds the 256 KiB a descriptor can address")
+        byte = base + (arr.__array_interface__["data"][0] - ptr) + int(offset) * arr.itemsize
+        if byte % 16:
+            raise ValueError(f"shared address {byte} (element {offset}) is not 16-byte aligned")
+        return byte
+
+    def read_u16(self, addresses):
+        """The 16-bit words at byte ``addresses`` (an array), all inside one registered array."""
+        lo, hi = int(addresses.min()), int(addresses.max()) + 2
+        for _, nbytes, base, u8 in self.regions:
+            if base <= lo and hi <= base + nbytes:
+                off = addresses - base
+                return u8[off].astype(np.uint16) | (u8[off + 1].astype(np.uint16) << np.uint16(8))
+        raise ValueError(f"wgmma operand bytes {lo:#x}..{hi:#x} are not inside one shared array known to "
+                         "smem_address (every tile must come from an address smem_address gave)")
+
+
+def _sim_block_state(name, factory):
+    """Per-block simulator state ``name`` (made by ``factory`` on first use), kept on the block's manager."""
+    manager = threading.current_thread()._manager
+    with _sim_lock:
+        state = manager.__dict__.get(name)
+        if state is None:
+            state = manager.__dict__[name] = factory()
+    return state
+
+
+class _SimWarpgroup:
+    def __init__(self):
+        self.barrier = threading.Barrier(WARPGROUP)
+        self.slots = [None] * WARPGROUP
+        self.result = None
+
+
+def _sim_warpgroup():
+    """The calling thread's index within its warpgroup (0..127) and the warpgroup's exchange state."""
+    thread = threading.current_thread()
+    group, index = divmod(thread.thread_id, WARPGROUP)
+    bx, by, bz = thread._manager._block_dim
+    if bx * by * bz < (group + 1) * WARPGROUP:
+        raise ValueError(f"wgmma needs whole warpgroups of {WARPGROUP} threads; the block has {bx * by * bz}")
+    groups = _sim_block_state("_nbflash_warpgroups", dict)
+    with _sim_lock:
+        wg = groups.get(group)
+        if wg is None:
+            wg = groups[group] = _SimWarpgroup()
+    return index, wg
+
+
+def _thread_state():
+    """This simulated thread's wgmma bookkeeping: has it fenced registers / the async proxy?"""
+    thread = threading.current_thread()
+    state = getattr(thread, "_nbflash_wgmma", None)
+    if state is None:
+        state = thread._nbflash_wgmma = {"fenced": False, "proxy_fenced": False}
+    return state
+
+
+def _sim_smem_address(smem, offset):
+    """Shared-window byte address (``uint32``) of element ``offset`` of the shared array ``smem``.
+
+    PTX: a generic → shared address-space cast (``cvta.to.shared``), as
+    :mod:`nbflash.intrinsics` does for ldmatrix; any compute capability.
+    ``smem`` must be a C-contiguous shared array.  Feed the result to
+    :data:`d_make_smem_desc`.  Simulator: a fake address, 1024-byte aligned per
+    shared array, remembered so that the simulated wgmma can find the bytes.
+    """
+    return np.uint32(_sim_block_state("_nbflash_smem", _SimSharedSpace).address(smem, offset))
+
+
+def _sim_wgmma_fence():
+    """Order this warp's earlier accumulator-register accesses before the next wgmma.
+
+    PTX: ``wgmma.fence.sync.aligned``; sm_90a.  Required before the first
+    ``wgmma.mma_async`` of a batch, and again after ordinary instructions wrote
+    the accumulators.  Simulator: records that the fence happened (a wgmma
+    without one since the last wait raises).
+    """
+    _thread_state()["fenced"] = True
+
+
+def _sim_wgmma_commit_group():
+    """Close the group of this warpgroup's wgmmas issued since the last commit.
+
+    PTX: ``wgmma.commit_group.sync.aligned``; sm_90a.  A no-op in the simulator.
+    """
+
+
+def _sim_wgmma_wait_group(n):
+    """Wait until at most ``n`` committed wgmma groups are still running; then their accumulators are valid.
+
+    PTX: ``wgmma.wait_group.sync.aligned n``; sm_90a.  ``n`` must be a
+    compile-time constant (an immediate).  Follow it with
+    :func:`wgmma_fence_operand` on the accumulators.  Simulator: the wgmma
+    already ran; this only starts a new batch (the next wgmma needs a fence).
+    """
+    _thread_state()["fenced"] = False
+
+
+def _sim_fence_proxy_async():
+    """Make this thread's generic-proxy writes to shared memory visible to the async proxy (the tensor cores).
+
+    PTX: ``fence.proxy.async.shared::cta``; sm_90.  After writing a tile with
+    ordinary stores or ``cp.async`` (and its wait), before the barrier that
+    precedes the wgmma reading it.  Simulator: recorded; a thread whose first
+    wgmma comes before any proxy fence raises.
+    """
+    _thread_state()["proxy_fenced"] = True
+
+
+def _sim_wgmma_fence_operand(acc):
+    """The accumulators, passed through an empty ``asm volatile`` so that no use of them moves above a wait.
+
+    CUTLASS's ``warpgroup_fence_operand``; no instruction is emitted.  Call it
+    on the result of a wgmma after :func:`wgmma_wait_group`.  The identity in
+    the simulator.
+    """
+    return tuple(acc)
+
+
+def _sim_wgmma_acc_zeros(n):
+    """A tuple of N/2 float32 zeros: the accumulators of one ``m64nNk16`` tile (``n`` = N, a constant)."""
+    return (np.float32(0),) * (n // 2)
+
+
+def _sim_wgmma(n, to_f32, desc_a, desc_b, acc, scale_d):
+    if len(acc) != n // 2:
+        raise TypeError(f"wgmma m64n{n}k16 takes {n // 2} accumulators, got {len(acc)}")
+    state = _thread_state()
+    if not state["fenced"]:
+        raise RuntimeError("wgmma issued without a wgmma_fence() since the last wgmma_wait_group")
+    if not state["proxy_fenced"]:
+        raise RuntimeError("wgmma issued before any fence_proxy_async(): shared-memory tiles written with "
+                           "ordinary stores are not visible to the tensor cores without it")
+    index, wg = _sim_warpgroup()
+    wg.slots[index] = (int(desc_a), int(desc_b), bool(scale_d), tuple(np.float32(x) for x in acc))
+    wg.barrier.wait()  # every thread has published its operands
+    if index == 0:
+        try:
+            wg.result = _sim_wgmma_tile(n, to_f32, list(wg.slots))
+        except Exception as exc:  # re-raised in every thread below
+            wg.result = exc
+    wg.barrier.wait()  # the result is ready
+    result = wg.result
+    wg.barrier.wait()  # every thread has read it before the next wgmma overwrites it
+    if isinstance(result, Exception):
+        raise result
+    return tuple(result[index])
+
+
+def _sim_wgmma_tile(n, to_f32, ops):
+    """The whole warpgroup's D (128 × N/2 float32) from the 128 threads' operands."""
+    desc_a, desc_b, scale_d, _ = ops[0]
+    for op in ops:
+        if op[:3] != (desc_a, desc_b, scale_d):
+            raise ValueError("the threads of a warpgroup gave different wgmma descriptors or scale-d")
+    space = _sim_block_state("_nbflash_smem", _SimSharedSpace)
+    k = np.arange(16)[None, :]
+    a = to_f32(space.read_u16(smem_desc_address(desc_a, np.arange(64)[:, None], k))).astype(np.float64)
+    b = to_f32(space.read_u16(smem_desc_address(desc_b, np.arange(n)[:, None], k))).astype(np.float64)
+    d = a @ b.T  # products of f16/bf16 are exact; the sum is rounded once (the hardware's adder differs slightly)
+    idx = _acc_table(n)
+    if scale_d:
+        c = np.zeros((64, n))
+        c[idx[..., 0], idx[..., 1]] = np.array([op[3] for op in ops], dtype=np.float32)
+        d = d + c
+    return d[idx[..., 0], idx[..., 1]].astype(np.float32)
+
+
+def _make_sim_wgmma(n, kind):
+    to_f32 = f16_bits_to_f32 if kind == "f16" else bf16_bits_to_f32
+
+    def wgmma(desc_a, desc_b, acc, scale_d):
+        return _sim_wgmma(n, to_f32, desc_a, desc_b, acc, scale_d)
+
+    wgmma.__name__ = f"wgmma_m64n{n}k16_{kind}"
+    wgmma.__doc__ = f"""D = A·Bᵀ + D for a 64×{n} tile by one warpgroup (128 threads); {kind} inputs, f32 accumulators.
+
+    PTX: ``wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} {{d0..d{n // 2 - 1}}}, desc_a, desc_b,
+    p, 1, 1, 0, 0`` with ``p = scale_d != 0``; sm_90a.  Every thread of the warpgroup must call it
+    with the same descriptors and scale_d.
+
+    ``desc_a``: descriptor (:data:`d_make_smem_desc`) of A, 64×16, K-major in shared memory;
+    ``desc_b``: of B, {n}×16, K-major (a row of B is a column of the product: D = A·Bᵀ, like Q·Kᵀ);
+    ``acc``: this thread's {n // 2} float32 accumulators (a tuple; :func:`wgmma_acc_zeros` to start),
+    laid out as :func:`acc_frag_index` says; ``scale_d``: 0 to ignore ``acc`` (D = A·Bᵀ).
+    Returns the new accumulators — valid only after :func:`wgmma_commit_group`,
+    :func:`wgmma_wait_group` and :func:`wgmma_fence_operand`.
+
+    Simulator: the threads exchange operands; A and B are read from the simulated shared memory at
+    the addresses :func:`smem_desc_address` gives; products exact, the sum in float64 rounded once.
+    """
+    return wgmma
+
+
+# ----------------------------------------------------------------------------
+# GPU implementations: inline PTX
+# ----------------------------------------------------------------------------
+
+
+@intrinsic
+def _gpu_smem_address(typingctx, smem, offset):
+    if not (_is_flat_array(smem) and _is_int(offset)):
+        return None
+    sig = types.uint32(smem, offset)
+
+    def codegen(context, builder, sig, args):
+        return _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+
+    return sig, codegen
+
+
+def _make_gpu_statement(name, ptx):
+    """An intrinsic of no arguments that emits ``ptx`` (kept in place, memory clobbered, convergent)."""
+
+    def statement(typingctx):
+        def codegen(context, builder, sig, args):
+            _asm(builder, ir.VoidType(), [], ptx, "~{memory}", [], side_effect=True, warp_wide=True)
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    statement.__name__ = name
+    return intrinsic(statement)
+
+
+@intrinsic
+def _gpu_wgmma_wait_group(typingctx, n):
+    if not isinstance(n, types.IntegerLiteral):
+        return None  # wait_group takes an immediate: n must be a compile-time constant
+    groups = int(n.literal_value)
+
+    def codegen(context, builder, sig, args):
+        _asm(builder, ir.VoidType(), [], f"wgmma.wait_group.sync.aligned {groups};", "~{memory}", [],
+             side_effect=True, warp_wide=True)
+        return context.get_dummy_value()
+
+    return types.void(n), codegen
+
+
+def _is_acc(acc):
+    return isinstance(acc, types.UniTuple) and isinstance(acc.dtype, (types.Float, types.Integer))
+
+
+@intrinsic
+def _gpu_wgmma_fence_operand(typingctx, acc):
+    if not _is_acc(acc):
+        return None
+    count = acc.count
+    sig = types.UniTuple(types.float32, count)(acc)
+
+    def codegen(context, builder, sig, args):
+        vals = [context.cast(builder, builder.extract_value(args[0], i), sig.args[0].dtype, types.float32)
+                for i in range(count)]
+        constraints = ",".join(["=f"] * count + [str(i) for i in range(count)]) + ",~{memory}"
+        res = _asm(builder, ir.LiteralStructType([_F32] * count), [_F32] * count, "", constraints, vals,
+                   side_effect=True)
+        outs = [builder.extract_value(res, i) for i in range(count)] if count > 1 else [res]
+        return context.make_tuple(builder, sig.return_type, outs)
+
+    return sig, codegen
+
+
+@intrinsic
+def _gpu_wgmma_acc_zeros(typingctx, n):
+    if not isinstance(n, types.IntegerLiteral) or int(n.literal_value) not in WGMMA_N:
+        return None
+    count = int(n.literal_value) // 2
+    sig = types.UniTuple(types.float32, count)(n)
+
+    def codegen(context, builder, sig, args):
+        return context.make_tuple(builder, sig.return_type, [ir.Constant(_F32, 0.0)] * count)
+
+    return sig, codegen
+
+
+def _make_gpu_wgmma(n, kind):
+    count = n // 2
+    regs = ", ".join(f"${i}" for i in range(count))
+    a, b, s = 2 * count, 2 * count + 1, 2 * count + 2  # operand numbers: outputs, tied inputs, then these
+    ptx = ("{ .reg .pred p; "
+           f"setp.ne.b32 p, ${s}, 0; "
+           f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} "
+           f"{{{regs}}}, ${a}, ${b}, p, 1, 1, 0, 0; }}")
+    constraints = ",".join(["=f"] * count + [str(i) for i in range(count)] + ["l", "l", "r"]) + ",~{memory}"
+
+    def wgmma(typingctx, desc_a, desc_b, acc, scale_d):
+        if not (_is_int(desc_a, desc_b) and _is_acc(acc) and acc.count == count
+                and isinstance(scale_d, (types.Integer, types.Boolean))):
+            return None
+        sig = types.UniTuple(types.float32, count)(desc_a, desc_b, acc, scale_d)
+
+        def codegen(context, builder, sig, args):
+            vals = [context.cast(builder, builder.extract_value(args[2], i), sig.args[2].dtype, types.float32)
+                    for i in range(count)]
+            da = context.cast(builder, args[0], sig.args[0], types.uint64)
+            db = context.cast(builder, args[1], sig.args[1], types.uint64)
+            sd = context.cast(builder, args[3], sig.args[3], types.uint32)
+            # side_effect + memory clobber: the tensor cores read shared memory the compiler cannot see,
+            # so the statement must stay after the barrier and fences that precede it.
+            res = _asm(builder, ir.LiteralStructType([_F32] * count), [_F32] * count + [_I64, _I64, _I32], ptx,
+                       constraints, vals + [da, db, sd], side_effect=True, warp_wide=True)
+            outs = [builder.extract_value(res, i) for i in range(count)] if count > 1 else [res]
+            return context.make_tuple(builder, sig.return_type, outs)
+
+        return sig, codegen
+
+    wgmma.__name__ = f"wgmma_m64n{n}k16_{kind}"
+    return intrinsic(wgmma)
+
+
+# ----------------------------------------------------------------------------
+# The public names: one implementation or the other
+# ----------------------------------------------------------------------------
+
+
+def _public(sim, gpu):
+    """This run's implementation: ``sim`` in the simulator, else ``gpu()``; both carry ``sim``'s docstring."""
+    impl = sim if SIMULATOR else gpu()
+    impl.__doc__ = sim.__doc__
+    return impl
+
+
+smem_address = _public(_sim_smem_address, lambda: _gpu_smem_address)
+wgmma_fence = _public(_sim_wgmma_fence, lambda: _make_gpu_statement("wgmma_fence", "wgmma.fence.sync.aligned;"))
+wgmma_commit_group = _public(_sim_wgmma_commit_group,
+                             lambda: _make_gpu_statement("wgmma_commit_group", "wgmma.commit_group.sync.aligned;"))
+wgmma_wait_group = _public(_sim_wgmma_wait_group, lambda: _gpu_wgmma_wait_group)
+fence_proxy_async = _public(_sim_fence_proxy_async,
+                            lambda: _make_gpu_statement("fence_proxy_async", "fence.proxy.async.shared::cta;"))
+wgmma_fence_operand = _public(_sim_wgmma_fence_operand, lambda: _gpu_wgmma_fence_operand)
+wgmma_acc_zeros = _public(_sim_wgmma_acc_zeros, lambda: _gpu_wgmma_acc_zeros)
+
+_WGMMA = {(n, kind): _public(_make_sim_wgmma(n, kind), functools.partial(_make_gpu_wgmma, n, kind))
+          for n in WGMMA_N for kind in ("f16", "bf16")}
+
+wgmma_m64n8k16_f16 = _WGMMA[8, "f16"]
+wgmma_m64n8k16_bf16 = _WGMMA[8, "bf16"]
+wgmma_m64n16k16_f16 = _WGMMA[16, "f16"]
+wgmma_m64n16k16_bf16 = _WGMMA[16, "bf16"]
+wgmma_m64n32k16_f16 = _WGMMA[32, "f16"]
+wgmma_m64n32k16_bf16 = _WGMMA[32, "bf16"]
+wgmma_m64n64k16_f16 = _WGMMA[64, "f16"]
+wgmma_m64n64k16_bf16 = _WGMMA[64, "bf16"]
+wgmma_m64n128k16_f16 = _WGMMA[128, "f16"]
+wgmma_m64n128k16_bf16 = _WGMMA[128, "bf16"]
+
+
+def wgmma(n, kind):
+    """The ``wgmma_m64n{n}k16_{kind}`` function (``kind``: ``"f16"`` or ``"bf16"``), for kernel factories."""
+    return _WGMMA[n, kind]

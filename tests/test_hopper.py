@@ -1,0 +1,351 @@
+"""The Hopper building blocks of :mod:`nbflash.hopper`: wgmma descriptors, layouts, and the instruction itself.
+
+* Host: descriptor bit packing; the accumulator layout against the PTX ISA /
+  CUTLASS ``CLayout_64xN`` formula; the shared-memory layout helpers against
+  the core-matrix and 128-byte-swizzle definitions.
+* Simulator: one warpgroup (128 threads) writes A (64×K) and B (N×K) into
+  shared memory through the layout helpers, issues wgmma through descriptors
+  and writes D out through the accumulator layout; compared with NumPy.
+  Deliberately broken kernels (LBO and SBO swapped; tiles stored unswizzled
+  under a 128B-swizzle descriptor) must fail the comparison.
+* Offline (no GPU, simulator off, in a subprocess): the same kernels compile
+  for ``compute_90a`` and nvJitLink assembles them for ``sm_90a``.
+* GPU (``@pytest.mark.gpu``): the same kernels on an H100/H200.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from nbflash import hopper as H
+from nbflash import intrinsics as I
+from nbflash._device import SIMULATOR, cuda, kernel, numba
+
+sim_only = pytest.mark.skipif(not SIMULATOR, reason="simulator test")
+KINDS = ["f16", "bf16"]
+
+
+def to_bits(x, kind):
+    """float array → 16-bit patterns of ``kind`` and the exactly representable float64 values."""
+    x = np.asarray(x, dtype=np.float32)
+    bits = I.f32_to_f16_bits(x) if kind == "f16" else I.f32_to_bf16_bits(x)
+    vals = I.f16_bits_to_f32(bits) if kind == "f16" else I.bf16_bits_to_f32(bits)
+    return bits, vals.astype(np.float64)
+
+
+# ----------------------------------------------------------------------------
+# Host: descriptor, layouts
+# ----------------------------------------------------------------------------
+
+
+def test_descriptor_fields_round_trip(rng):
+    for _ in range(200):
+        addr, lbo, sbo = (int(x) * 16 for x in rng.integers(0, 2**14, size=3))
+        swizzle = int(rng.integers(0, 4))
+        desc = H.make_smem_desc(addr, lbo, sbo, swizzle)
+        assert H.decode_smem_desc(desc) == (addr, lbo, sbo, 0, swizzle)
+        # The PTX ISA's bit positions, written out independently.
+        assert desc & 0x3FFF == addr >> 4
+        assert (desc >> 16) & 0x3FFF == lbo >> 4
+        assert (desc >> 32) & 0x3FFF == sbo >> 4
+        assert (desc >> 62) == swizzle
+        assert desc & ((3 << 14) | (3 << 30) | (0x7FFF << 46) | (0x3FF << 52)) == 0  # reserved bits stay zero
+    # matrix-descriptor-encode(x) = (x & 0x3FFFF) >> 4: the address wraps at 256 KiB.
+    assert H.make_smem_desc(0x40010, 0, 0, 0) == 1
+    assert H.make_smem_desc(1024, 16, 1024, H.SWIZZLE_128B) == (1 << 62) | (64 << 32) | (1 << 16) | 64
+
+
+def ptx_acc(thread, i):
+    """CUTLASS CLayout_64xN: thread (t, g, w) strides (128, 1, 16), value (v0, v1, j) strides (64, 8, 512); m + 64n."""
+    t, g, w = thread % 4, (thread // 4) % 8, thread // 32
+    v0, v1, j = i % 2, (i // 2) % 2, i // 4
+    flat = 128 * t + g + 16 * w + 64 * v0 + 8 * v1 + 512 * j
+    return flat % 64, flat // 64
+
+
+@pytest.mark.parametrize("n", H.WGMMA_N)
+def test_accumulator_layout_covers_the_tile_once(n):
+    cells = [H.acc_frag_index(t, i) for t in range(128) for i in range(n // 2)]
+    assert sorted(cells) == [(r, c) for r in range(64) for c in range(n)]
+    for t in range(128):
+        for i in range(n // 2):
+            assert H.acc_frag_index(t, i) == ptx_acc(t, i)
+    # Warp w owns rows 16w..16w+15; a row lives in one quad of lanes.
+    assert all(H.acc_frag_index(t, i)[0] // 16 == t // 32 for t in range(128) for i in range(n // 2))
+
+
+def test_layout_helpers_match_the_canonical_layouts():
+    for row in range(64):
+        for k in range(64):
+            # 128B swizzle: 8-row atoms of 1024 bytes, chunk c of row r stored at chunk c ^ (r % 8).
+            chunk = (k // 8) ^ (row % 8)
+            assert H.kmajor_sw128_offset(row, k) == 1024 * (row // 8) + 128 * (row % 8) + 16 * chunk + 2 * (k % 8)
+            if k < 16:
+                off = H.kmajor_interleave_offset(row, k, 128, 256)
+                assert off == 256 * (row // 8) + 128 * (k // 8) + 16 * (row % 8) + 2 * (k % 8)
+    # Each layout is a permutation of the tile's bytes.
+    offs = sorted(H.kmajor_sw128_offset(r, k) for r in range(64) for k in range(64))
+    assert offs == list(range(0, 8192, 2))
+
+
+def test_descriptor_addresses_agree_with_the_layout_helpers():
+    """The hardware model (descriptor → address) reads back exactly what the helpers wrote, per k-step."""
+    base = 4096
+    for s in range(4):  # k-steps of a 64-wide 128B-swizzled tile: start address + 32 bytes each
+        desc = H.make_smem_desc(base + 32 * s, 16, 1024, H.SWIZZLE_128B)
+        for row in range(64):
+            for k in range(16):
+                assert H.smem_desc_address(desc, row, k) == base + H.kmajor_sw128_offset(row, 16 * s + k)
+    desc = H.make_smem_desc(base, 1024, 128, H.SWIZZLE_NONE)
+    for row in range(64):
+        for k in range(16):
+            assert H.smem_desc_address(desc, row, k) == base + H.kmajor_interleave_offset(row, k, 1024, 128)
+    with pytest.raises(NotImplementedError):  # a swizzled operand starting mid-pattern needs a base offset
+        H.smem_desc_address(H.make_smem_desc(base + 128, 16, 1024, H.SWIZZLE_128B), 0, 0)
+
+
+# ----------------------------------------------------------------------------
+# One warpgroup: shared tiles → descriptors → wgmma → D
+# ----------------------------------------------------------------------------
+
+SMEM_ALIGN = None if SIMULATOR else 1024  # a 128B-swizzle atom must be 1024-byte aligned
+
+
+def tile_layout(swizzle, n):
+    """K, and the (lbo, sbo) of A and of B for the interleaved layout (bytes)."""
+    if swizzle == H.SWIZZLE_128B:
+        return 64, (16, 1024), (16, 1024)
+    # A: the two K-chunks of each 8-row group adjacent (LBO 128, SBO 256); B: all of K-chunk 0 first
+    # (LBO = n·16, SBO = 128) — two different placements, so that LBO and SBO are both exercised.
+    return 16, (128, 256), (16 * n, 128)
+
+
+@functools.cache
+def wgmma_kernel(kind, n, swizzle, broken=None):
+    """D (64×n) = A (64×K) · Bᵀ (B: n×K) through wgmma; K = 16 (no swizzle) or 64 (128B swizzle, 4 k-steps).
+
+    The first wgmma computes a k-step into the accumulators, which the next
+    (``scale_d = 0``) must discard.  ``broken``: ``"swap_lbo_sbo"`` gives the
+    descriptors LBO and SBO the wrong way round; ``"unswizzled"`` stores the
+    tiles row-major (no XOR) under a 128B-swizzle descriptor.
+    """
+    mma = H.wgmma(n, kind)
+    K, (a_lbo, a_sbo), (b_lbo, b_sbo) = tile_layout(swizzle, n)
+    if broken == "swap_lbo_sbo":
+        a_lbo, a_sbo, b_lbo, b_sbo = a_sbo, a_lbo, b_sbo, b_lbo
+    sw128 = swizzle == H.SWIZZLE_128B
+    unswizzled = broken == "unswizzled"
+    a_bytes = 64 * K * 2
+    b_off = -(-a_bytes // 1024) * 1024  # B's tile starts 1024-byte aligned too
+    smem_elems = (b_off + n * K * 2) // 2
+    steps = K // 16
+
+    @kernel
+    def wgmma_tile(a, b, out):
+        tid = cuda.threadIdx.x
+        smem = cuda.shared.array(smem_elems, numba.uint16, alignment=SMEM_ALIGN)
+        for e in range(tid, 64 * K, 128):
+            r = e // K
+            k = e % K
+            if sw128:
+                off = r * 128 + 2 * k if unswizzled else H.d_kmajor_sw128_offset(r, k)
+            else:
+                off = H.d_kmajor_interleave_offset(r, k, 128, 256)
+            smem[off // 2] = a[r, k]
+        for e in range(tid, n * K, 128):
+            r = e // K
+            k = e % K
+            if sw128:
+                off = r * 128 + 2 * k if unswizzled else H.d_kmajor_sw128_offset(r, k)
+            else:
+                off = H.d_kmajor_interleave_offset(r, k, 16 * n, 128)
+            smem[(b_off + off) // 2] = b[r, k]
+        H.fence_proxy_async()  # my st.shared writes → visible to the tensor cores (async proxy)
+        cuda.syncthreads()  # ... and everyone's
+
+        acc = H.wgmma_fence_operand(H.wgmma_acc_zeros(n))
+        H.wgmma_fence()
+        addr_a = H.smem_address(smem, 0)
+        addr_b = H.smem_address(smem, b_off // 2)
+        # A throw-away product, discarded by scale_d = 0 below.
+        acc = mma(H.d_make_smem_desc(addr_a, a_lbo, a_sbo, swizzle), H.d_make_smem_desc(addr_b, b_lbo, b_sbo, swizzle),
+                  acc, 1)
+        for s in range(steps):  # k-step s: elements 16s..16s+15 start 32·s bytes further (within the swizzle atom)
+            da = H.d_make_smem_desc(addr_a + 32 * s, a_lbo, a_sbo, swizzle)
+            db = H.d_make_smem_desc(addr_b + 32 * s, b_lbo, b_sbo, swizzle)
+            acc = mma(da, db, acc, s > 0)
+        H.wgmma_commit_group()
+        H.wgmma_wait_group(0)
+        acc = H.wgmma_fence_operand(acc)
+        for i in range(n // 2):
+            r, c = H.d_acc_frag_index(tid, i)
+            out[r, c] = acc[i]
+
+    return wgmma_tile
+
+
+def run_wgmma(rng, kind, n, swizzle, broken=None, xp=np):
+    K = tile_layout(swizzle, n)[0]
+    a_bits, a = to_bits(rng.standard_normal((64, K)), kind)
+    b_bits, b = to_bits(rng.standard_normal((n, K)), kind)
+    out = xp.full((64, n), np.nan, dtype=np.float32)
+    wgmma_kernel(kind, n, swizzle, broken)[1, 128](xp.asarray(a_bits), xp.asarray(b_bits), out)
+    out = out.get() if hasattr(out, "get") else out
+    return out, a, b
+
+
+def assert_product(out, a, b):
+    ref = a @ b.T
+    tol = 1e-6 * (np.abs(a) @ np.abs(b).T) + 1e-30  # fp32 accumulation of exact products
+    err = np.abs(out - ref)
+    assert np.all(err <= tol), f"max error {np.nanmax(err)}"
+
+
+CASES = [("f16", 8, H.SWIZZLE_NONE), ("bf16", 16, H.SWIZZLE_NONE), ("f16", 64, H.SWIZZLE_NONE),
+         ("f16", 64, H.SWIZZLE_128B), ("bf16", 16, H.SWIZZLE_128B)]
+
+
+@sim_only
+@pytest.mark.parametrize("kind,n,swizzle", CASES)
+def test_wgmma_matches_numpy(rng, kind, n, swizzle):
+    out, a, b = run_wgmma(rng, kind, n, swizzle)
+    assert_product(out, a, b)
+    if n == 64:  # a transposed read of the (square) result must not pass
+        with pytest.raises(AssertionError):
+            assert_product(out.T, a, b)
+
+
+@sim_only
+@pytest.mark.parametrize("broken,swizzle", [("swap_lbo_sbo", H.SWIZZLE_NONE), ("unswizzled", H.SWIZZLE_128B)])
+def test_wgmma_test_catches_a_wrong_layout(rng, broken, swizzle):
+    out, a, b = run_wgmma(rng, "f16", 16, swizzle, broken)
+    with pytest.raises(AssertionError):
+        assert_product(out, a, b)
+
+
+@sim_only
+def test_simulator_insists_on_the_fences(rng):
+    @kernel
+    def no_fence(a_bits, out):
+        smem = cuda.shared.array(64 * 16 + 8 * 16, numba.uint16)
+        d = H.d_make_smem_desc(H.smem_address(smem, 0), 128, 256, 0)
+        H.fence_proxy_async()
+        acc = H.wgmma_m64n8k16_f16(d, d, H.wgmma_acc_zeros(8), 0)  # no wgmma_fence()
+        out[cuda.threadIdx.x] = acc[0]
+
+    with pytest.raises(RuntimeError, match="wgmma_fence"):
+        no_fence[1, 128](np.zeros(1, np.uint16), np.zeros(128, np.float32))
+
+
+# ----------------------------------------------------------------------------
+# Offline: NVVM → PTX (.target sm_90a) → nvJitLink (ptxas) for sm_90a
+# ----------------------------------------------------------------------------
+
+OFFLINE = [("f16", 8, H.SWIZZLE_NONE), ("bf16", 16, H.SWIZZLE_NONE), ("f16", 32, H.SWIZZLE_128B),
+           ("f16", 64, H.SWIZZLE_128B), ("bf16", 64, H.SWIZZLE_NONE)]
+
+_OFFLINE_SCRIPT = r"""
+import json, re, sys
+sys.path.insert(0, sys.argv[1])
+import test_hopper as t
+from numba import types
+from nbflash._device import SIMULATOR, compile_ptx_offline
+assert not SIMULATOR
+from cuda.bindings import nvjitlink
+
+def assemble(ptx, arch):
+    h = nvjitlink.create(2, [f"-arch={arch}", "-verbose"])
+    try:
+        data = ptx.encode()
+        try:  # ptxas runs in add_data (or in complete)
+            nvjitlink.add_data(h, nvjitlink.InputType.PTX, data, len(data), "kernel.ptx")
+            nvjitlink.complete(h)
+            ok = True
+        except nvjitlink.nvJitLinkError:
+            ok = False
+        log = bytearray(nvjitlink.get_info_log_size(h))
+        nvjitlink.get_info_log(h, log)
+        if not ok:
+            err = bytearray(nvjitlink.get_error_log_size(h))
+            nvjitlink.get_error_log(h, err)
+            log += err
+        return ok, log.decode(errors="replace")
+    finally:
+        nvjitlink.destroy(h)
+
+u16, f32 = types.uint16, types.float32
+sig = (types.Array(u16, 2, "C"), types.Array(u16, 2, "C"), types.Array(f32, 2, "C"))
+for kind, n, swizzle in t.OFFLINE:
+    ptx = compile_ptx_offline(t.wgmma_kernel(kind, n, swizzle).py_func, sig, cc=(9, 0, "a"))
+    ok, log = assemble(ptx, "sm_90a")
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    row = dict(kind=kind, n=n, swizzle=swizzle, ok=ok, log=log[-2000:],
+               target=re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1),
+               wgmma=re.findall(r"wgmma\.[a-z_]+[.a-z0-9_]*", ptx),
+               fence_proxy="fence.proxy.async.shared::cta" in ptx,
+               local=len(re.findall(r"\b(?:ld|st)\.local\b", ptx)),
+               spill_bytes=int(spills.group(1)) + int(spills.group(2)) if spills else None)
+    if (kind, n) == ("f16", 8):  # the same PTX retargeted to plain sm_90: ptxas must refuse wgmma
+        plain = re.sub(r"^\.target\s+sm_90a", ".target sm_90", ptx, flags=re.M)
+        row["plain_sm90_ok"] = assemble(plain, "sm_90")[0]
+    print(json.dumps(row), flush=True)
+"""
+
+
+@functools.cache
+def offline_results():
+    pytest.importorskip("cuda.bindings.nvjitlink")
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", _OFFLINE_SCRIPT, os.path.dirname(os.path.abspath(__file__))],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_wgmma_compiles_and_assembles_for_sm90a():
+    rows = offline_results()
+    assert len(rows) == len(OFFLINE)
+    for row in rows:
+        assert row["target"] == "sm_90a", row
+        assert row["ok"], row["log"]
+        mma = f"wgmma.mma_async.sync.aligned.m64n{row['n']}k16.f32.{row['kind']}.{row['kind']}"
+        for op in (mma, "wgmma.fence.sync.aligned", "wgmma.commit_group.sync.aligned", "wgmma.wait_group.sync.aligned"):
+            assert op in row["wgmma"], (op, row["wgmma"])
+        assert row["fence_proxy"], row
+        assert row["local"] == 0 and row["spill_bytes"] in (0, None), row
+    # wgmma is an sm_90a ("arch-specific") feature: ptxas refuses it for plain sm_90.
+    assert [r["plain_sm90_ok"] for r in rows if "plain_sm90_ok" in r] == [False]
+
+
+# ----------------------------------------------------------------------------
+# GPU (H100/H200): the same kernels on the tensor cores
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,n,swizzle", CASES + [("bf16", 64, H.SWIZZLE_128B), ("f16", 32, H.SWIZZLE_NONE)])
+def test_wgmma_on_gpu(rng, xp, kind, n, swizzle):
+    from nbflash._device import compute_capability
+
+    if compute_capability() != (9, 0):
+        pytest.skip("wgmma needs an sm_90 (Hopper) GPU")
+    out, a, b = run_wgmma(rng, kind, n, swizzle, xp=xp)
+    assert_product(out, a, b)
+
+
+def test_ptx_names_in_docstrings():
+    """Every public wgmma function documents the PTX it emits (checked on the docstrings both builds carry)."""
+    for n in H.WGMMA_N:
+        for kind in KINDS:
+            doc = H.wgmma(n, kind).__doc__
+            assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k16\.f32\.{kind}\.{kind}", doc)
