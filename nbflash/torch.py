@@ -246,22 +246,29 @@ def _current_device() -> int:
 
 
 def _signature(tensors, flags):
-    """``(key, pointers, device)`` of a call on CUDA tensors of the current device — each read as the kernels
-    will (:func:`_kernel_view`) — or ``(None, None, None)`` where the hot path does not apply."""
+    """``(key, pointers, device, copies)`` of a call on CUDA tensors of the current device — each read as the
+    kernels will (:func:`_kernel_view`) — or ``(None, None, None, None)`` where the hot path does not apply.
+
+    ``copies``: the contiguous copies made of tensors with a strided last axis.  The caller must hold them
+    until the kernels are queued: a copy freed earlier could be handed by the caching allocator to the
+    outputs allocated next, which the kernels would then write while still reading the copy.
+    """
+    none = None, None, None, None
     first = tensors[0]
     if type(first) not in _PLAIN or _cuda_get_device is None:
-        return None, None, None
+        return none
     device = first.get_device()
     if device < 0 or device != _cuda_get_device():
-        return None, None, None
-    meta, ptrs, bits = [], [], 0
+        return none
+    meta, ptrs, copies, bits = [], [], [], 0
     for t in tensors:
         if type(t) not in _PLAIN or t.get_device() != device:
-            return None, None, None
+            return none
         shape, stride = t.shape, t.stride()
         if len(shape) > 1 and shape[-1] > 1 and stride[-1] != 1:  # as _kernel_view: a copy the kernels can read
             t = t.contiguous()
             stride = t.stride()
+            copies.append(t)
         ptr = t.data_ptr()
         meta.append((shape, stride, t.dtype))
         ptrs.append(ptr)
@@ -270,8 +277,8 @@ def _signature(tensors, flags):
     try:
         hash(key)
     except TypeError:
-        return None, None, None
-    return key, ptrs, device
+        return none
+    return key, ptrs, device, copies
 
 
 def _store(cache: dict, key, value) -> None:
@@ -327,13 +334,14 @@ def _flash_fwd(q, k, v, causal: bool, scale: float | None, layout: str, backend:
     """``(o, lse)`` from the forward kernel; ``o`` contiguous in ``layout``."""
     key = None
     if not SIMULATOR:
-        key, ptrs, device = _signature((q, k, v), _api._flags(causal, scale, layout, backend))
+        key, ptrs, device, copies = _signature((q, k, v), _api._flags(causal, scale, layout, backend))
         entry = _FORWARD_RECIPES.get(key) if key is not None else None
         if entry is not None:  # checked in full when first seen: allocate and replay
             recipe, o_shape, dtype, lse_shape, lse_dtype = entry
             o = torch.empty(o_shape, dtype=dtype, device=q.device)
             lse = torch.empty(lse_shape, dtype=lse_dtype, device=q.device)
             recipe((*ptrs, o.data_ptr(), lse.data_ptr()), _raw_stream(device), device)
+            del copies  # any copy of an input is queued for reading now: back to the allocator, stream-ordered
             return o, lse
     _check_tensors(("q", "k", "v"), (q, k, v), ("q", "k", "v"))
     B, H, Nq, D, scale_ = _check_problem(q, k, v, causal, scale, layout)
@@ -402,7 +410,7 @@ def _flash_bwd(do, q, k, v, o, lse, causal: bool, scale: float | None, layout: s
     key = None
     if not SIMULATOR:
         flags = _api._flags(causal, scale, layout, backend, deterministic)
-        key, ptrs, device = _signature((do, q, k, v, o, lse), flags)
+        key, ptrs, device, copies = _signature((do, q, k, v, o, lse), flags)
         entry = _BACKWARD_RECIPES.get(key) if key is not None else None
         if entry is not None:  # checked in full when first seen: allocate and replay
             recipe, shapes, dtype = entry
@@ -412,6 +420,7 @@ def _flash_bwd(do, q, k, v, o, lse, causal: bool, scale: float | None, layout: s
                 scratch = torch.empty(recipe.scratch_bytes, dtype=torch.uint8, device=q.device)
                 ptrs.append(scratch.data_ptr())
             recipe(ptrs, _raw_stream(device), device)
+            del copies  # e.g. of a zero-stride incoming gradient: queued for reading, back to the allocator
             return tuple(grads)
     names = ("do", "q", "k", "v", "o", "lse")
     _check_tensors(names, (do, q, k, v, o, lse), ("q", "k", "v", "o", "do"))

@@ -596,3 +596,23 @@ def test_backend_choice_through_the_bridge(dtype):
         assert (a.double() - b.double()).abs().max() < 5 * tol
     with pytest.raises(ValueError, match="backend must be one of"):
         nbt.attention(q, k, v, backend="fast")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gpu_copied_inputs_outlive_the_replay(monkeypatch, dtype):
+    """A cached call copies an input with a strided last axis (here the all-zero-stride gradient of
+    ``o.sum()``); the copy must stay allocated until the kernels are queued, so no output of the same call
+    can be given its memory while the kernels still read it."""
+    replays = replay_spy(monkeypatch)
+    q, k, v = (torch.randn(1, 2, 96, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    for _ in range(3):  # the first call records the signature; the later ones replay it
+        o = nbt.attention(q, k, v)
+        o.sum().backward()
+    backward = [p for p in replays if len(p) >= 9][-1]  # do, q, k, v, o, lse, dq, dk, dv[, scratch]
+    assert backward[0] not in backward[6:], "the copy of do was freed and its memory reused by an output"
+    want = torch.ones_like(o)
+    q2, k2, v2 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    torch.nn.functional.scaled_dot_product_attention(q2, k2, v2).backward(want.double())
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    assert (q.grad.double() / 3 - q2.grad).abs().max().item() < tol
