@@ -585,6 +585,17 @@ def placeholder_args(arrays) -> list[ArrayArg]:
     return out
 
 
+def signature_key(device: int, meta, bits: int, flags):
+    """The key of a call signature: the device, each array's ``(shape, strides, dtype)``, whether every data
+    pointer (``bits``: their bitwise or) is 16-byte aligned, and the flags; None if a flag is unhashable."""
+    key = (device, tuple(meta), not bits & 15, *flags)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 class SignatureCache(dict):
     """Recipes (or anything) by call signature, cleared when it grows past ``limit`` entries."""
 
@@ -616,4 +627,5 @@ __all__ = [
     "placeholder_args",
     "record",
     "recorded",
+    "signature_key",
 ]

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _launch
 from . import backward as _bwd
 from . import backward_tc as _bwd_tc
 from . import forward as _simt
@@ -104,9 +105,8 @@ def which_backend(
 # own pointers.  A signature is cached only after its call passed every check,
 # so a bad input never finds a recipe and always meets the full checks.
 
-_FORWARD_RECIPES: dict = {}
-_BACKWARD_RECIPES: dict = {}
-_RECIPE_LIMIT = 1024
+_FORWARD_RECIPES = _launch.SignatureCache()
+_BACKWARD_RECIPES = _launch.SignatureCache()
 _GPU = None  # (cupy.ndarray, cupy.empty, cupy.cuda.runtime.getDevice, cupy.cuda.get_current_stream), once imported
 
 
@@ -141,12 +141,8 @@ def _signature(arrays, flags):
         meta.append((a.shape, a.strides, a.dtype.char))
         ptrs.append(ptr)
         bits |= ptr
-    key = (device, tuple(meta), not bits & 15, *flags)
-    try:
-        hash(key)
-    except TypeError:
-        return None, None, None
-    return key, ptrs, device
+    key = _launch.signature_key(device, meta, bits, flags)
+    return (key, ptrs, device) if key is not None else (None, None, None)
 
 
 def _flags(causal, scale, layout, backend, *more):
@@ -158,12 +154,6 @@ def _stream(stream) -> int:
     if stream is None:
         return _GPU[3]().ptr
     return stream_handle(stream)
-
-
-def _store(cache: dict, key, value) -> None:
-    if len(cache) >= _RECIPE_LIMIT:
-        cache.clear()
-    cache[key] = value
 
 
 def _forward(p: Problem, q, k, v, *, stream=None, backend: str = "auto", key=None):
@@ -184,8 +174,6 @@ def _forward(p: Problem, q, k, v, *, stream=None, backend: str = "auto", key=Non
     if SIMULATOR:
         _launch_forward(plan, p, cq, ck, cv, co, lse, stream=0)
         return o, lse
-    from . import _launch
-
     with _launch.record() as launches:
         _launch_forward(plan, p, *_launch.placeholder_args((cq, ck, cv, co, lse)), stream=0)
     try:
@@ -194,7 +182,7 @@ def _forward(p: Problem, q, k, v, *, stream=None, backend: str = "auto", key=Non
         _launch_forward(plan, p, cq, ck, cv, co, lse, stream=current_stream(xp) if stream is None else stream)
         return o, lse
     if key is not None:
-        _store(_FORWARD_RECIPES, key, (recipe, o.shape, o.dtype, lse.shape, lse.dtype))
+        _FORWARD_RECIPES.put(key, (recipe, o.shape, o.dtype, lse.shape, lse.dtype))
     recipe((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr), _stream(stream), o.data.device_id)
     return o, lse
 
@@ -470,8 +458,6 @@ def _backward(
     if SIMULATOR:
         run_backward(plan, *arrays, p.scale, p.causal, stream=0, **flags)
         return dq, dk, dv
-    from . import _launch
-
     arena = _launch.Arena(len(arrays))
     with _launch.record() as launches:
         run_backward(plan, *_launch.placeholder_args(arrays), p.scale, p.causal, stream=0, empty=arena, **flags)
@@ -482,7 +468,7 @@ def _backward(
         run_backward(plan, *arrays, p.scale, p.causal, stream=stream, **flags)
         return dq, dk, dv
     if key is not None:
-        _store(_BACKWARD_RECIPES, key, (recipe, (q.shape, k.shape, v.shape), q.dtype))
+        _BACKWARD_RECIPES.put(key, (recipe, (q.shape, k.shape, v.shape), q.dtype))
     ptrs = [a.data.ptr for a in (do, q, k, v, o, lse, dq, dk, dv)]
     scratch = xp.empty(recipe.scratch_bytes, np.uint8) if recipe.scratch_bytes else None
     if scratch is not None:

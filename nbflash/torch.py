@@ -232,8 +232,8 @@ def _on_device(index: int):
 # dtypes, device, flags, 16-byte alignment) is checked in full and its launches recorded as a recipe
 # (nbflash._launch.Recipe); later calls allocate their outputs and replay it with their own pointers.
 
-_FORWARD_RECIPES: dict = {}
-_BACKWARD_RECIPES: dict = {}
+_FORWARD_RECIPES = _launch.SignatureCache()
+_BACKWARD_RECIPES = _launch.SignatureCache()
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -273,18 +273,8 @@ def _signature(tensors, flags):
         meta.append((shape, stride, t.dtype))
         ptrs.append(ptr)
         bits |= ptr
-    key = (device, tuple(meta), not bits & 15, *flags)
-    try:
-        hash(key)
-    except TypeError:
-        return none
-    return key, ptrs, device, copies
-
-
-def _store(cache: dict, key, value) -> None:
-    if len(cache) >= 1024:
-        cache.clear()
-    cache[key] = value
+    key = _launch.signature_key(device, meta, bits, flags)
+    return (key, ptrs, device, copies) if key is not None else none
 
 
 def _gpu_forward(
@@ -317,7 +307,7 @@ def _gpu_forward(
             _launch_forward(plan, arrays, scale, causal, stream=_raw_stream(index))
             return o, lse
         if key is not None and index == _current_device():
-            _store(_FORWARD_RECIPES, key, (recipe, o.shape, o.dtype, lse.shape, lse.dtype))
+            _FORWARD_RECIPES.put(key, (recipe, o.shape, o.dtype, lse.shape, lse.dtype))
         recipe([t.data_ptr() for t in tensors], _raw_stream(index), index)
     return o, lse
 
@@ -394,7 +384,7 @@ def _gpu_backward(
             )
         recipe = _launch.Recipe(launches, arena.nbytes)
         if key is not None and index == _current_device():
-            _store(_BACKWARD_RECIPES, key, (recipe, tuple(g.shape for g in grads), q.dtype))
+            _BACKWARD_RECIPES.put(key, (recipe, tuple(g.shape for g in grads), q.dtype))
         ptrs = [t.data_ptr() for t in tensors]
         if recipe.scratch_bytes:  # alive until the launches are queued, then back to the allocator, stream-ordered
             scratch = torch.empty(recipe.scratch_bytes, dtype=torch.uint8, device=q.device)

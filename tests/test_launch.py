@@ -474,3 +474,16 @@ def test_gpu_torch_cached_signature_runs_fresh_inputs(dtype):
         assert (o.double() - ref).abs().max().item() < tol, trial
         for a, b in ((q.grad, q2.grad), (k.grad, k2.grad), (v.grad, v2.grad)):
             assert (a.double() - b).abs().max().item() < 10 * tol, trial
+
+
+def test_signature_key_and_cache():
+    """One key per call signature (alignment included); an unhashable flag has none; the cache is bounded."""
+    meta = [((2, 3), (24, 8), "e")]
+    key = _launch.signature_key(0, meta, 0x1000, ("bhsd", float, 0.5))
+    assert key == _launch.signature_key(0, list(meta), 0x2000, ("bhsd", float, 0.5))
+    assert key != _launch.signature_key(0, meta, 0x1002, ("bhsd", float, 0.5))  # misaligned: its own signature
+    assert _launch.signature_key(0, meta, 0, ([0.5],)) is None
+    cache = _launch.SignatureCache(limit=2)
+    for i in range(3):
+        cache.put(i, i)
+    assert len(cache) <= 2 and cache[2] == 2
