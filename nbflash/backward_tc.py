@@ -81,10 +81,10 @@ different banks::
     D=128 (64 keys × 32 queries):   dK/dV 70 144 bytes (atomic 75 264), dQ 69 632
 
 Status: correct in the Numba simulator (tests/test_backward_tc.py) and
-compiles for sm_80/sm_90 with no local memory; ptxas reports 225-255
-registers for dK/dV and 166 (D=64) / 238 (D=128) for dQ, no spills except
-the D=128 bfloat16 dK/dV kernels (16-144 bytes: the 128 float32 accumulators
-of dK_j, dV_j leave it a few registers short).  On the H200, checked against
+compiles for sm_80/sm_90 with no local memory and no spills; ptxas (sm_90)
+reports 219 (D=64) / 217 (D=128) registers for dK/dV, 223 / 218 with atomic
+dQ, and 167 / 226 for dQ.  On the H200 (figures measured before that register
+work, when the kernels used 225-255 / 166-238 registers), checked against
 float64 (flash-attn rule) and timed next to SDPA's flash backward
 (``benchmarks/tc_backward.py``, ``docs/performance.md``): with deterministic dQ
 142–186 TFLOP/s at D = 64 and 127–158 at D = 128 (0.52–0.82× FlashAttention-2);
@@ -219,20 +219,30 @@ def _make_tile_copier(rows: int, cfg: TCBackwardConfig):
     Each thread copies the 16-byte chunks ``tid, tid + THREADS, ...`` of the
     tile: a loop of constant trip count (unrolled), in unsigned arithmetic so
     that ``//`` and ``%`` by the power-of-two chunk count are shifts and masks
-    (as in :mod:`nbflash.forward_tc`).
+    (as in :mod:`nbflash.forward_tc`).  When THREADS is a multiple of the chunk
+    count (D a power of two), a thread copies the same chunk of rows
+    ``tid // chunks + it · THREADS / chunks``, written so: one offset plus
+    constants, rather than a row per iteration that the compiler would keep in
+    a register through the whole tile loop.
     """
     chunks = cfg.head_dim // 8  # 16-byte chunks per row
     ITERS = -(-rows * chunks // cfg.threads)
     EXACT = rows * chunks % cfg.threads == 0
+    SAME_CHUNK = cfg.threads % chunks == 0
     U_CHUNKS, U_PITCH, U_THREADS, U_TOTAL = (np.uint64(x) for x in (chunks, cfg.pitch, cfg.threads, rows * chunks))
+    U_ROW_STEP = np.uint64(cfg.threads // chunks)
     u64 = numba.uint64
 
     def copy_tile(smem, offset, src, b, h, start, seqlen, tid):
         for it in range(ITERS):
             c = u64(tid) + u64(it) * U_THREADS
             if EXACT or c < U_TOTAL:
-                r = c // U_CHUNKS
-                col = (c % U_CHUNKS) * u64(8)
+                if SAME_CHUNK:
+                    r = u64(tid) // U_CHUNKS + u64(it) * U_ROW_STEP
+                    col = (u64(tid) % U_CHUNKS) * u64(8)
+                else:
+                    r = c // U_CHUNKS
+                    col = (c % U_CHUNKS) * u64(8)
                 row = u64(start) + r
                 nbytes = 16 if row < u64(seqlen) else 0
                 row = min(row, u64(seqlen - 1))  # a valid address even when nothing is read
@@ -262,6 +272,32 @@ def _make_fragment_ops(input_kind: str):
         return pack(acc[n, i], acc[n, i + 1])
 
     return device_function(mma_into), device_function(pack_pair)
+
+
+def _make_pair_storer(input_kind: str):
+    """``store_pair(out, b, h, row, col, x, y)``: ``out[b, h, row, col : col + 2] = x, y`` in the input type.
+
+    bfloat16 is rounded by one ``cvt.rn.bf16x2.f32`` per pair (as in the forward's
+    epilogue), which gives the bits of :func:`~nbflash._tiles.make_storer`'s
+    round-to-nearest-even for every non-NaN value in far fewer instructions: done
+    one value at a time, in 64-bit integer arithmetic, the rounding of the 128
+    dK, dV accumulators at D = 128 made ptxas spill.
+    """
+    if input_kind == "float16":
+        to_out = make_storer(input_kind)
+
+        def store_pair(out, b, h, row, col, x, y):
+            out[b, h, row, col] = to_out(x)
+            out[b, h, row, col + 1] = to_out(y)
+
+    else:
+
+        def store_pair(out, b, h, row, col, x, y):
+            w = I.pack_bf16x2(x, y)  # x in the low half
+            out[b, h, row, col] = numba.uint16(w & 0xFFFF)
+            out[b, h, row, col + 1] = numba.uint16(w >> 16)
+
+    return device_function(store_pair)
 
 
 # ----------------------------------------------------------------------------
@@ -296,10 +332,10 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
     DQ_EVEN = DQ_UNITS % WARPS == 0
     ZERO = numba.float32(0)
     INF = numba.float32(math.inf)
-    u64 = numba.uint64
+    u32, u64 = numba.uint32, numba.uint64
     SMEM_ALIGN = None if SIMULATOR else 16
     mma_into, pack_pair = _make_fragment_ops(cfg.input_kind)
-    to_out = make_storer(cfg.input_kind)
+    store_pair = _make_pair_storer(cfg.input_kind)
     copy_kv = _make_tile_copier(BLOCK_N, cfg)
     copy_q = _make_tile_copier(BLOCK_M, cfg)
 
@@ -311,7 +347,7 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
         k_start = cuda.blockIdx.x * BLOCK_N  # the first key tiles have the most causal queries: they start first
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
-        tid = cuda.threadIdx.x
+        tid = numba.int64(u32(cuda.threadIdx.x))  # known ≥ 0: no sign fix-ups in // and % below
         warp = tid // 32
         lane = tid % 32
         g = lane // 4  # this thread's rows of every fragment: keys g and g + 8 of the warp ...
@@ -494,10 +530,9 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
             key = k_start + 16 * warp + g + 8 * r
             if key < seqlen_k:
                 for n in range(D_TILES):
-                    for c in range(2):
-                        col = 8 * n + 2 * t + c
-                        dk[b, h, key, col] = to_out(dK[n, 2 * r + c] * sc)
-                        dv[b, h, key, col] = to_out(dV[n, 2 * r + c])
+                    col = 8 * n + 2 * t
+                    store_pair(dk, b, h, key, col, dK[n, 2 * r] * sc, dK[n, 2 * r + 1] * sc)
+                    store_pair(dv, b, h, key, col, dV[n, 2 * r], dV[n, 2 * r + 1])
 
     return flash_backward_dkdv_tc
 
@@ -524,9 +559,10 @@ def dq_tc_kernel(cfg: TCBackwardConfig):
     D_TILES = D // 8  # 8-wide column tiles of dQ
     N_STEPS = BLOCK_N // 16  # k-steps of dQ += dS K
     ZERO = numba.float32(0)
+    u32 = numba.uint32
     SMEM_ALIGN = None if SIMULATOR else 16
     mma_into, pack_pair = _make_fragment_ops(cfg.input_kind)
-    to_out = make_storer(cfg.input_kind)
+    store_pair = _make_pair_storer(cfg.input_kind)
     copy_q = _make_tile_copier(BLOCK_M, cfg)
     copy_kv = _make_tile_copier(BLOCK_N, cfg)
 
@@ -538,7 +574,7 @@ def dq_tc_kernel(cfg: TCBackwardConfig):
         q_start = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BLOCK_M  # longest causal rows first
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
-        tid = cuda.threadIdx.x
+        tid = numba.int64(u32(cuda.threadIdx.x))  # known ≥ 0: no sign fix-ups in // and % below
         warp = tid // 32
         lane = tid % 32
         g = lane // 4  # this thread's rows of every fragment: queries g and g + 8 of the warp ...
@@ -551,11 +587,9 @@ def dq_tc_kernel(cfg: TCBackwardConfig):
         dP = cuda.local.array((N_TILES, 4), numba.float32)  # dP, then dS
         dQ = cuda.local.array((D_TILES, 4), numba.float32)
         lse2_r = cuda.local.array(2, numba.float32)  # rows g, g + 8: lse2_i ...
-        delta_r = cuda.local.array(2, numba.float32)  # ... D_i ...
-        key_end = cuda.local.array(2, numba.int64)  # ... and the row sees keys [0, key_end)
+        delta_r = cuda.local.array(2, numba.float32)  # ... and D_i
         for r in range(2):
             row = q_start + 16 * warp + g + 8 * r
-            key_end[r] = d_row_key_end(row, seqlen_q, seqlen_k, causal)
             lse2_r[r] = lse2[b, h, row] if row < seqlen_q else ZERO  # rows past the end are masked anyway
             delta_r[r] = delta[b, h, row] if row < seqlen_q else ZERO
         for n in range(D_TILES):
@@ -632,8 +666,9 @@ def dq_tc_kernel(cfg: TCBackwardConfig):
                     for c in range(2):
                         S[n, 2 * r + c] = I.ex2_approx(S[n, 2 * r + c] * scale_log2 - lse2_r[r])
             if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
-                for r in range(2):
-                    first_hidden = key_end[r] - k_start - 2 * t  # tile-local: key 8n + c hidden iff ≥ this
+                for r in range(2):  # the row ends computed here, on the few masked tiles, not held in registers
+                    key_end = d_row_key_end(q_start + 16 * warp + g + 8 * r, seqlen_q, seqlen_k, causal)
+                    first_hidden = key_end - k_start - 2 * t  # tile-local: key 8n + c hidden iff ≥ this
                     for n in range(N_TILES):
                         for c in range(2):
                             if 8 * n + c >= first_hidden:  # past the ragged end, or above the diagonal
@@ -663,8 +698,7 @@ def dq_tc_kernel(cfg: TCBackwardConfig):
             row = q_start + 16 * warp + g + 8 * r
             if row < seqlen_q:
                 for n in range(D_TILES):
-                    for c in range(2):
-                        dq[b, h, row, 8 * n + 2 * t + c] = to_out(dQ[n, 2 * r + c] * sc)
+                    store_pair(dq, b, h, row, 8 * n + 2 * t, dQ[n, 2 * r] * sc, dQ[n, 2 * r + 1] * sc)
 
     return flash_backward_dq_tc
 
@@ -689,9 +723,8 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
 
     At D = 128 the K and V fragments would take 64 more registers per thread
     and spill, so they are re-read from shared memory at every k-step (one
-    ``ldmatrix`` per ``BLOCK_M / 16`` of the B operand); even so the bfloat16
-    dK/dV kernels spill 16-144 bytes there (ptxas, sm_80/sm_90) — the next
-    thing to fix, e.g. by splitting D between two warps per 16 keys.  The deterministic dQ
+    ``ldmatrix`` per ``BLOCK_M / 16`` of the B operand); so every kernel
+    compiles with no spill (ptxas, sm_80/sm_90).  The deterministic dQ
     kernel uses the same numbers with the roles swapped (64 queries × 64 or 32
     keys).  In the simulator: 2 warps (32 keys) and 16-query tiles, so that
     short sequences cross tile edges with few Python threads; D = 32 there
