@@ -12,6 +12,10 @@ its host time.  Each row is the median over ``--calls`` calls (after
 * ``sync`` — the call and a synchronisation of its stream: host time plus
   GPU latency, what a caller waiting for the result sees.
 
+The torch rows come in pairs, nbflash next to SDPA, timed in alternating
+rounds (:func:`interleaved_us`) so that the ratio in the last column is not
+at the mercy of the host's speed drifting between two rows.
+
 Rows: a CuPy elementwise kernel (the floor for a Python-launched kernel);
 Numba's dispatcher and nbflash's fast launcher (:mod:`nbflash._launch`) on the
 same forward kernel and CuPy arrays — the whole :func:`~nbflash._launch.launch`
@@ -181,7 +185,37 @@ def rows_cupy_and_launch(calls: int, warmup: int) -> list[dict]:
     return rows
 
 
+def interleaved_us(fns: dict, *, calls: int, warmup: int, rounds: int = 25, sync=None) -> dict:
+    """Median host µs per call of each of ``fns`` (name -> callable), timed in alternating rounds.
+
+    Each round times ``calls // rounds`` calls of every function in turn, so a
+    change in the host's speed during the run (clock frequency, other
+    processes) falls on every row alike and the ratios between rows stay
+    honest; one row measured after another can differ by 2× on a noisy host.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    _device_sync()
+    times = {name: [] for name in fns}
+    per_round = max(1, calls // rounds)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            ts = times[name]
+            for i in range(per_round):
+                t0 = time.perf_counter_ns()
+                fn()
+                if sync is not None:
+                    sync()
+                ts.append(time.perf_counter_ns() - t0)
+                if sync is None and i % 128 == 127:
+                    _device_sync()
+            _device_sync()
+    return {name: statistics.median(ts) / 1e3 for name, ts in times.items()}
+
+
 def rows_torch(calls: int, warmup: int) -> list[dict]:
+    """nbflash.torch next to SDPA, each pair timed interleaved (:func:`interleaved_us`), with the ratio."""
     import torch
     import torch.nn.functional as F
 
@@ -190,23 +224,31 @@ def rows_torch(calls: int, warmup: int) -> list[dict]:
     rows = []
     sync = torch.cuda.current_stream().synchronize
 
-    def row(name, fn, note=""):
-        rows.append(
-            dict(
-                call=name,
-                async_us=median_us(fn, calls=calls, warmup=warmup),
-                sync_us=median_us(fn, calls=calls, warmup=warmup, sync=sync),
-                note=note,
-            )
-        )
+    def pair(name, nb, sdpa, note=""):
+        fns = {"nb": nb, "sdpa": sdpa}
+        a = interleaved_us(fns, calls=calls, warmup=warmup)
+        s = interleaved_us(fns, calls=calls, warmup=warmup, sync=sync)
+        ratio = f"{a['nb'] / a['sdpa']:.2f}x SDPA"
+        rows.append(dict(call=f"nbflash.torch.attention {name}", async_us=a["nb"], sync_us=s["nb"], note=ratio))
+        rows.append(dict(call=f"sdpa {name}", async_us=a["sdpa"], sync_us=s["sdpa"], note=note))
 
-    for dtype in (torch.float16, torch.float32):
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
         name = str(dtype).removeprefix("torch.")
         q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype) for _ in range(3))
         qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
         do = torch.randn_like(q)
-        row(f"nbflash.torch.attention forward {name}", lambda q=q, k=k, v=v: nbt.attention(q, k, v))
-        row(f"sdpa forward {name}", lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v))
+        pair(
+            f"forward {name}",
+            lambda q=q, k=k, v=v: nbt.attention(q, k, v),
+            lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v),
+            "inputs without grad (inference)",
+        )
+        pair(
+            f"forward {name}, grad",
+            lambda q=qg, k=kg, v=vg: nbt.attention(q, k, v),
+            lambda q=qg, k=kg, v=vg: F.scaled_dot_product_attention(q, k, v),
+            "inputs require grad (training forward, graph built)",
+        )
 
         def nb_fb(q=qg, k=kg, v=vg, do=do):
             torch.autograd.grad(nbt.attention(q, k, v), (q, k, v), do)
@@ -214,8 +256,7 @@ def rows_torch(calls: int, warmup: int) -> list[dict]:
         def sdpa_fb(q=qg, k=kg, v=vg, do=do):
             torch.autograd.grad(F.scaled_dot_product_attention(q, k, v), (q, k, v), do)
 
-        row(f"nbflash.torch.attention fwd+bwd {name}", nb_fb)
-        row(f"sdpa fwd+bwd {name}", sdpa_fb)
+        pair(f"fwd+bwd {name}", nb_fb, sdpa_fb, "torch.autograd.grad of the output")
     return rows
 
 

@@ -513,11 +513,22 @@ class _Attention(torch.autograd.Function):
         return o
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _flash_bwd(do, q, k, v, o, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None
+        # The gradients are kernel outputs with no graph of their own.  Under create_graph=True (grad mode on
+        # here) they come back wrapped by once_differentiable, so that differentiating them again raises
+        # instead of silently giving zero; in the usual case that wrapper's cost (about 10 µs) is skipped.
+        if torch.is_grad_enabled():
+            return _grads_once(ctx, do)
+        return _grads(ctx, do)
+
+
+def _grads(ctx, do):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = _flash_bwd(do, q, k, v, o, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None
+
+
+_grads_once = torch.autograd.function.once_differentiable(_grads)
 
 
 # ----------------------------------------------------------------------------
@@ -606,7 +617,22 @@ def attention(
         _check_tensors(("q", "k", "v"), (q, k, v), ("q", "k", "v"))
         o, _ = attention_fwd(q, k, v, causal, scale, layout, backend)
         return o
-    return _Attention.apply(q, k, v, causal, scale, layout, backend)
+    if _needs_graph(q, k, v):
+        return _Attention.apply(q, k, v, causal, scale, layout, backend)
+    return _flash_fwd(q, k, v, causal, scale, layout, backend)[0]  # inference: no autograd node to build
+
+
+#: True while a functorch transform (vmap, grad, ...) is active; those need autograd.Function's own handling.
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
+
+
+def _needs_graph(q, k, v) -> bool:
+    """Whether the call must go through autograd: grad mode on and an input that requires grad, or functorch."""
+    if torch.is_grad_enabled() and (
+        getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False) or getattr(v, "requires_grad", False)
+    ):
+        return True
+    return _functorch_active()
 
 
 __all__ = ["DTYPES", "attention", "attention_bwd", "attention_fwd"]

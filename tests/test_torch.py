@@ -187,6 +187,31 @@ def test_lse_is_not_differentiable():
     assert o.requires_grad and not lse.requires_grad
 
 
+def test_inference_skips_autograd_and_matches_training_forward():
+    """No input needs a gradient (or grad mode is off): the forward builds no autograd node, same bits."""
+    q, k, v = make_qkv((1, 2, 5, 3), (1, 2, 6, 3), torch.float32, requires_grad=True)
+    o_train = nbt.attention(q, k, v, causal=True)
+    assert o_train.grad_fn is not None
+    with torch.no_grad():
+        o_nograd = nbt.attention(q, k, v, causal=True)
+    o_plain = nbt.attention(*(x.detach() for x in (q, k, v)), causal=True)
+    for o in (o_nograd, o_plain):
+        assert o.grad_fn is None and not o.requires_grad
+        assert torch.equal(o, o_train.detach())
+
+
+def test_double_backward_refused():
+    """Gradients are kernel outputs: differentiating them again must raise, never give zeros."""
+    q, k, v = make_qkv((1, 1, 3, 2), (1, 1, 4, 2), torch.float64, requires_grad=True)
+    (dq,) = torch.autograd.grad(nbt.attention(q, k, v).square().sum(), (q,), create_graph=True)
+    assert dq.requires_grad
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dq.sum().backward()
+    # without create_graph the same gradient comes from the unwrapped path
+    (dq_plain,) = torch.autograd.grad(nbt.attention(q, k, v).square().sum(), (q,))
+    assert torch.equal(dq.detach(), dq_plain)
+
+
 # ----------------------------------------------------------------------------
 # Strides and zero-copy
 # ----------------------------------------------------------------------------
