@@ -49,7 +49,9 @@ where ``D_i = rowsum(dO_i ∘ O_i)``.
       tile; after a barrier the warps split the ``BLOCK_M × D`` block of
       ``dQ_i += dS K_j`` (A = dS by ``ldmatrix.trans`` of that tile, B = K_j by
       ``ldmatrix.trans``) and add it into the float32 accumulator with
-      ``atomic.add`` — the order of the additions changes from run to run.
+      ``red.global.add`` — one ``.v2.f32`` per accumulator pair on sm_90
+      (``vector_red``), else two scalar ones; the order of the additions
+      changes from run to run.
 
    Finally ``dK_j · scale`` and ``dV_j`` are written once.
 
@@ -102,7 +104,7 @@ import numpy as np
 
 from . import backward as bw
 from . import intrinsics as I
-from ._device import SIMULATOR, cuda, device_function, kernel, launch, max_shared_per_block, numba
+from ._device import SIMULATOR, compute_capability, cuda, device_function, kernel, launch, max_shared_per_block, numba
 from ._tiles import LOG2E, make_storer
 from ._validate import array_module, data_address
 from .masking import d_key_range, d_query_range, d_row_key_end, d_tile_needs_mask
@@ -138,6 +140,7 @@ class TCBackwardConfig:
     head_dim: int  # D, a multiple of 16
     input_kind: str  # "float16" or "bfloat16"
     kv_in_registers: bool = True  # dK/dV: keep the warp's K_j, V_j A-fragments in registers (else re-ldmatrix)
+    vector_red: bool = False  # atomic dQ (step 1g): red.global.add.v2.f32, one per accumulator pair (sm_90+)
 
     def __post_init__(self):
         if self.block_n not in (16, 32, 64, 128):
@@ -310,7 +313,7 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
     """The compiled dK/dV kernel (step 1) for one configuration (cached); ``atomic_dq`` adds step 1g."""
     BLOCK_M, BLOCK_N, D = cfg.block_m, cfg.block_n, cfg.head_dim
     THREADS, WARPS, PITCH, DS_PITCH = cfg.threads, cfg.warps, cfg.pitch, cfg.ds_pitch
-    KV_IN_REGS, ATOMIC_DQ = cfg.kv_in_registers, atomic_dq
+    KV_IN_REGS, ATOMIC_DQ, VECTOR_RED = cfg.kv_in_registers, atomic_dq, cfg.vector_red
     off = shared_offsets(cfg, "dkdv_atomic" if atomic_dq else "dkdv")
     K_OFF, V_OFF, Q_OFF, DO_OFF, DS_OFF = off["k"], off["v"], off["q"], off["do"], off.get("ds", 0)
     QD_STRIDE = BLOCK_M * PITCH  # elements from one Q (or dO) buffer to the other
@@ -330,6 +333,7 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
     DQ_UNITS = M_STEPS * DQ_CHUNKS
     DQ_ROUNDS = -(-DQ_UNITS // WARPS)
     DQ_EVEN = DQ_UNITS % WARPS == 0
+    TILE_BYTES = 8 * 4  # float32 dQ: from a column of one 8-column tile to the same column of the next
     ZERO = numba.float32(0)
     INF = numba.float32(math.inf)
     u32, u64 = numba.uint32, numba.uint64
@@ -375,6 +379,10 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
         bt_row, bt_col = I.d_ldmatrix_x4_bt_address(lane)  # Q, dO rows (→ B of Sᵀ, dPᵀ); dSᵀ (.trans → A)
         k_row = K_OFF + (16 * warp + a_row) * PITCH + a_col  # this lane's address in the warp's K rows
         v_row = V_OFF + (16 * warp + a_row) * PITCH + a_col
+        # Step 1g's global byte address of dq_accum[b, h, 0, 2t], and the bytes from one query row to the next
+        # (unused in the deterministic kernel, whose dq_accum is a dummy).
+        dq_cols = I.global_address(dq_accum, (b, h, 0, 2 * t))
+        dq_row_bytes = dq_accum.strides[2]
 
         # Step 1: K_j, V_j and the first Q_i, dO_i, one cp.async group; lse2, D of tile i to shared.
         q_begin, q_end = d_query_range(k_start, BLOCK_N, seqlen_q, seqlen_k, causal)
@@ -513,13 +521,18 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
                                     mma_into(
                                         dQ, 2 * d2 + half, sa[0], sa[1], sa[2], sa[3], kb[2 * half], kb[2 * half + 1]
                                     )
+                        # Add the unit into dQ_i: one address per row, then a reduction per accumulator pair
+                        # (row g or g + 8, columns 2t, 2t + 1 of tile n) at a constant offset from it.
                         for r in range(2):
                             row = q_start + 16 * mt + g + 8 * r
                             if row < seqlen_q:
+                                addr = dq_cols + row * dq_row_bytes + 4 * d0
                                 for n in range(DQ_TILES):
-                                    for c in range(2):
-                                        col = d0 + 8 * n + 2 * t + c
-                                        cuda.atomic.add(dq_accum, (b, h, u64(row), u64(col)), dQ[n, 2 * r + c])
+                                    if VECTOR_RED:
+                                        I.red_add_f32x2(addr + n * TILE_BYTES, dQ[n, 2 * r], dQ[n, 2 * r + 1])
+                                    else:
+                                        I.red_add_f32(addr + n * TILE_BYTES, dQ[n, 2 * r])
+                                        I.red_add_f32(addr + n * TILE_BYTES + 4, dQ[n, 2 * r + 1])
             cuda.syncthreads()  # everyone is done with buffer `buf` (and dSᵀ) before iteration i + 1 refills it
 
         I.cp_async_wait_all()  # nothing left in flight (also when no query tile sees these keys)
@@ -708,8 +721,9 @@ def dq_tc_kernel(cfg: TCBackwardConfig):
 # ----------------------------------------------------------------------------
 
 
-@functools.cache
-def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR) -> TCBackwardConfig:
+def choose_config(
+    head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR, cc: tuple[int, int] | None = None
+) -> TCBackwardConfig:
     """The configuration for a head dim (a multiple of 16 up to 128): 4 warps, 64 stationary rows.
 
     Not tuned by a sweep yet (the H200 figures in docs/performance.md are for these tiles).
@@ -729,16 +743,29 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
     keys).  In the simulator: 2 warps (32 keys) and 16-query tiles, so that
     short sequences cross tile edges with few Python threads; D = 32 there
     takes the ldmatrix path, other head dims the register path.
+
+    ``cc``: the compute capability to compile for (default: the current
+    device's; None in the simulator).  On sm_90 and newer the atomic dQ adds
+    each accumulator pair with one ``red.global.add.v2.f32`` (``vector_red``),
+    before that with two scalar reductions.
     """
+    if cc is None and not simulator:
+        cc = compute_capability()
+    return _choose_config(head_dim, input_kind, simulator, None if cc is None else tuple(cc))
+
+
+@functools.cache
+def _choose_config(head_dim: int, input_kind: str, simulator: bool, cc: tuple[int, int] | None) -> TCBackwardConfig:
+    vector_red = cc is not None and cc >= (9, 0)
     if simulator:
-        return TCBackwardConfig(16, 32, head_dim, input_kind, kv_in_registers=head_dim != 32)
+        return TCBackwardConfig(16, 32, head_dim, input_kind, kv_in_registers=head_dim != 32, vector_red=vector_red)
     if head_dim % 16 or not 0 < head_dim <= 128:
         raise ValueError(
             f"the tensor-core backward supports head dims that are multiples of 16 up to 128, got {head_dim}"
         )
     if head_dim <= 64:
-        return TCBackwardConfig(64, 64, head_dim, input_kind, kv_in_registers=True)
-    return TCBackwardConfig(32, 64, head_dim, input_kind, kv_in_registers=False)
+        return TCBackwardConfig(64, 64, head_dim, input_kind, kv_in_registers=True, vector_red=vector_red)
+    return TCBackwardConfig(32, 64, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red)
 
 
 def can_implement(cfg: TCBackwardConfig, *arrays) -> tuple[bool, str]:
@@ -748,6 +775,9 @@ def can_implement(cfg: TCBackwardConfig, *arrays) -> tuple[bool, str]:
     contiguous along the head dim, with 16-byte aligned rows and start.
     """
     limit = max_shared_per_block()
+    cc = compute_capability()
+    if cfg.vector_red and cc is not None and cc < (9, 0):
+        return False, f"vector_red (red.global.add.v2.f32) needs sm_90 or newer, the device is sm_{cc[0]}{cc[1]}"
     for name in KERNELS:
         need = shared_bytes(cfg, name)
         if need > limit:
@@ -865,12 +895,15 @@ def _kernel(cfg: TCBackwardConfig, name: str):
     return dq_tc_kernel(cfg) if name == "dq" else dkdv_tc_kernel(cfg, name == "dkdv_atomic")
 
 
-def compile_targets():
-    """``(name, cfg, kernel, signature, fastmath)`` for every GPU configuration and kernel (the PTX check).
+def compile_targets(cc: tuple[int, int] = (9, 0)):
+    """``(name, cfg, kernel, signature, fastmath)`` for every GPU configuration and kernel for compute capability
+    ``cc`` (the PTX check; default sm_90, the H200).
 
     Steps 0 and 2' are the SIMT kernels of :mod:`nbflash.backward`, covered by its own compile targets.
     """
-    cfgs = [choose_config(d, kind, simulator=False) for d in (32, 64, 96, 128) for kind in ("float16", "bfloat16")]
+    cfgs = [
+        choose_config(d, kind, simulator=False, cc=cc) for d in (32, 64, 96, 128) for kind in ("float16", "bfloat16")
+    ]
     return [
         (f"flash_backward_{name}_tc", cfg, _kernel(cfg, name), kernel_signature(cfg, name), True)
         for cfg in cfgs

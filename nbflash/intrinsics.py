@@ -26,10 +26,13 @@ A 32-bit fragment register holds two 16-bit elements; "half 0" is the low 16
 bits and holds the element with the smaller PTX index (a0 of the pair a0, a1).
 
 Minimum compute capability: ``mma.m16n8k16`` (f16, bf16), ``cp.async`` and the
-``cvt`` packs need sm_80; ``ldmatrix`` sm_75; ``ex2.approx`` any.
+``cvt`` packs need sm_80; ``ldmatrix`` sm_75; ``ex2.approx`` and ``red.global.add.f32``
+any; the vector reduction ``red.global.add.v2.f32`` sm_90 (PTX ISA 8.1).
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 from llvmlite import ir
@@ -51,6 +54,7 @@ __all__ = [
     "d_ldmatrix_x4_a_address",
     "d_ldmatrix_x4_bt_address",
     "ex2_approx",
+    "global_address",
     "ldmatrix_x4",
     "ldmatrix_x4_a_address",
     "ldmatrix_x4_bt_address",
@@ -59,6 +63,8 @@ __all__ = [
     "mma_m16n8k16_f16",
     "pack_bf16x2",
     "pack_f16x2",
+    "red_add_f32",
+    "red_add_f32x2",
     "unpack_bf16x2",
     "unpack_f16x2",
 ]
@@ -477,6 +483,107 @@ def _sim_ex2_approx(x):
     return np.float32(0) if abs(y) < _F32_TINY else np.float32(y)  # .ftz: subnormal result → 0
 
 
+# Global addresses and fire-and-forget float32 reductions (atomic adds whose old value nobody reads).
+
+
+class _SimGlobalAddress:
+    """The simulator's stand-in for a 64-bit global address: ``offset`` bytes from element 0 of ``array``.
+
+    Adding an integer adds bytes, as on the GPU; an access must then land on
+    an element of ``array`` (else ``IndexError``), aligned as the instruction
+    requires (else ``ValueError``) — where the GPU would silently touch another
+    row, another allocation, or fault.
+    """
+
+    __slots__ = ("array", "offset")
+
+    def __init__(self, array, offset):
+        self.array = array
+        self.offset = offset
+
+    def __add__(self, nbytes):
+        return _SimGlobalAddress(self.array, self.offset + int(nbytes))
+
+    __radd__ = __add__
+
+    def elements(self, count, align):
+        """The index of each of the ``count`` consecutive float32 from here (checking bounds and alignment)."""
+        if (self.array.ctypes.data + self.offset) % align:
+            raise ValueError(f"global address {self.array.ctypes.data + self.offset:#x} is not {align}-byte aligned")
+        return [self._index(self.offset + 4 * e) for e in range(count)]
+
+    def _index(self, offset):
+        shape, strides = self.array.shape, self.array.strides
+        idx = [0] * len(shape)
+        rest = offset
+        for axis in sorted(range(len(shape)), key=lambda a: -strides[a]):  # outermost axis first
+            if shape[axis] > 1:
+                idx[axis], rest = divmod(rest, strides[axis])
+        if rest or not all(0 <= i < n for i, n in zip(idx, shape, strict=True)):
+            raise IndexError(f"byte offset {offset} is not an element of the {shape} array")
+        return tuple(idx)
+
+
+def _sim_global_address(array, index):
+    """The 64-bit ``.global`` address of ``array[index]`` in bytes, for :func:`red_add_f32` and :func:`red_add_f32x2`.
+
+    ``array``: a global array (strided layouts are fine; element strides must
+    be positive); ``index``: an integer or a tuple of non-negative integers,
+    one per axis.  Any compute capability (the index arithmetic and a
+    ``cvta.to.global``).  Returns an ``int64`` to which a kernel adds byte
+    offsets: compute a row's address once, and reach its columns by constant
+    offsets (immediates in the instruction).  Simulator: an object that
+    adds bytes the same way and checks each access (see ``_SimGlobalAddress``).
+    """
+    idx = tuple(int(i) for i in index) if isinstance(index, tuple) else (int(index),)
+    return _SimGlobalAddress(array, sum(i * s for i, s in zip(idx, array.strides, strict=True)))
+
+
+_sim_red_lock = threading.Lock()
+
+
+def _ftz(x):
+    """A float32 with subnormals flushed to a zero of the same sign."""
+    x = np.float32(x)
+    return np.copysign(np.float32(0), x) if abs(x) < _F32_TINY else x
+
+
+def _sim_red_add(address, values, align):
+    if address.array.dtype != np.float32:
+        raise TypeError(f"a float32 reduction into an array of {address.array.dtype}")
+    with _sim_red_lock:  # each element's read-modify-write is atomic
+        for idx, v in zip(address.elements(len(values), align), values, strict=True):
+            address.array[idx] = _ftz(_ftz(address.array[idx]) + _ftz(v))
+
+
+def _sim_red_add_f32(address, x):
+    """``*address += x`` atomically in float32; nothing is returned (a reduction, not an ``atom``).
+
+    PTX: ``red.global.add.f32 [address], x``; any compute capability.
+    ``address`` comes from :func:`global_address` (4-byte aligned).  Rounds to
+    nearest even and flushes subnormal inputs and results to zero (as
+    ``atom.add.f32``; SASS ``REDG.E.ADD.F32.FTZ.RN`` on sm_90).  Unlike
+    Numba's ``cuda.atomic.add`` on an array (a generic address: ptxas adds a
+    shared-or-global test and a compare-and-swap fallback to every addition),
+    the address is known to be global.
+    """
+    _sim_red_add(address, (x,), 4)
+
+
+def _sim_red_add_f32x2(address, x, y):
+    """``address[0] += x`` and ``address[1] += y`` in one instruction: two adjacent float32, each atomically.
+
+    PTX: ``red.global.add.v2.f32 [address], {x, y}`` — the ``.v2`` form of
+    ``red`` with ``.vec_32_bit`` (PTX ISA 8.1, **sm_90** or newer; ``.global``
+    only).  ``address`` (from :func:`global_address`) must be 8-byte aligned;
+    float32 semantics as :func:`red_add_f32`.  A pair of ``mma`` accumulators
+    (c0, c1: row g, columns 2t, 2t + 1; or c2, c3 at row g + 8) is such a pair,
+    so a thread adds its four values of a 16×8 tile with two of these instead
+    of four scalar reductions (SASS ``REDG.E.ADD.F32x2``).
+    """
+    _sim_red_add(address, (x, y), 8)
+
+
 # ----------------------------------------------------------------------------
 # GPU implementations: inline PTX
 # ----------------------------------------------------------------------------
@@ -699,6 +806,51 @@ def _gpu_ex2_approx(typingctx, x):
     return sig, codegen
 
 
+@intrinsic
+def _gpu_global_address(typingctx, array, index):
+    idx_ok = _is_int(index) or (isinstance(index, types.BaseTuple) and _is_int(*index))
+    if not (isinstance(array, types.Array) and idx_ok):
+        return None
+    sig = types.int64(array, index)
+
+    def codegen(context, builder, sig, args):
+        return _global_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+
+    return sig, codegen
+
+
+@intrinsic
+def _gpu_red_add_f32(typingctx, address, x):
+    if not (_is_int(address) and _is_number(x)):
+        return None
+    sig = types.void(address, x)
+
+    def codegen(context, builder, sig, args):
+        a = context.cast(builder, args[0], sig.args[0], types.int64)
+        v = context.cast(builder, args[1], sig.args[1], types.float32)
+        _asm(builder, ir.VoidType(), [_I64, _F32], "red.global.add.f32 [$0], $1;", "l,f,~{memory}", [a, v],
+             side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _gpu_red_add_f32x2(typingctx, address, x, y):
+    if not (_is_int(address) and _is_number(x, y)):
+        return None
+    sig = types.void(address, x, y)
+
+    def codegen(context, builder, sig, args):
+        a = context.cast(builder, args[0], sig.args[0], types.int64)
+        xv, yv = _cast_all(context, builder, args[1:], sig.args[1:], types.float32)
+        _asm(builder, ir.VoidType(), [_I64, _F32, _F32], "red.global.add.v2.f32 [$0], {$1, $2};", "l,f,f,~{memory}",
+             [a, xv, yv], side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 # ----------------------------------------------------------------------------
 # The public names: one implementation or the other
 # ----------------------------------------------------------------------------
@@ -723,3 +875,6 @@ pack_bf16x2 = _public(_sim_pack_bf16x2, lambda: _make_gpu_pack("bf16"))
 unpack_f16x2 = _public(_sim_unpack_f16x2, lambda: _make_gpu_unpack("f16"))
 unpack_bf16x2 = _public(_sim_unpack_bf16x2, lambda: _make_gpu_unpack("bf16"))
 ex2_approx = _public(_sim_ex2_approx, lambda: _gpu_ex2_approx)
+global_address = _public(_sim_global_address, lambda: _gpu_global_address)
+red_add_f32 = _public(_sim_red_add_f32, lambda: _gpu_red_add_f32)
+red_add_f32x2 = _public(_sim_red_add_f32x2, lambda: _gpu_red_add_f32x2)

@@ -11,6 +11,7 @@ assembled for sm_80 and sm_90, with nothing in local memory and no spills.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -22,7 +23,7 @@ import pytest
 
 from nbflash import backward_tc as T
 from nbflash import intrinsics as I
-from nbflash._device import SIMULATOR
+from nbflash._device import SIMULATOR, compute_capability
 from nbflash.reference import attention_backward_ref, attention_ref, causal_mask
 
 
@@ -149,6 +150,21 @@ def test_backward_tc_matches_reference(xp, rng, kind, deterministic, causal, n_q
     check_against_reference(got, values, scale, causal, kind)
 
 
+@pytest.mark.parametrize("vector_red", [True, False], ids=["red-v2", "red-scalar"])
+@pytest.mark.parametrize(
+    "kind,causal,n_q,n_k,d,layout",
+    [("float16", True, 37, 20, 32, "bshd"), ("bfloat16", False, 20, 37, 16, "bhsd")],
+    ids=["float16-causal-37x20-D32-bshd", "bfloat16-full-20x37-D16-bhsd"],
+)
+def test_atomic_dq_by_vector_or_scalar_reductions(xp, rng, vector_red, kind, causal, n_q, n_k, d, layout):
+    """Step 1g both ways: one red.global.add.v2.f32 per accumulator pair (sm_90's route) or two scalar ones."""
+    if vector_red and not SIMULATOR and compute_capability() < (9, 0):
+        pytest.skip("red.global.add.v2.f32 needs sm_90")
+    cfg = dataclasses.replace(T.choose_config(d, kind), vector_red=vector_red)
+    got, values, scale = run_backward(xp, rng, n_q, n_k, d, kind, causal, False, layout=layout, cfg=cfg)
+    check_against_reference(got, values, scale, causal, kind)
+
+
 def test_deterministic_variant_is_bitwise_repeatable(xp, rng):
     """Two runs of the deterministic variant give the same bits; the atomic variant agrees to rounding."""
     args = (19, 35, 16, "bfloat16", True)
@@ -192,6 +208,12 @@ def test_config_and_can_implement():
     d64, d128 = (T.choose_config(d, "float16", simulator=False) for d in (64, 128))
     assert [T.shared_bytes(d64, n) for n in T.KERNELS] == [56320, 65536, 55296]
     assert [T.shared_bytes(d128, n) for n in T.KERNELS] == [70144, 75264, 69632]
+    # Vector reductions for the atomic dQ from sm_90 on; the simulator (no compute capability) takes the scalar ones.
+    for sim in (False, True):
+        assert T.choose_config(64, "float16", simulator=sim, cc=(9, 0)).vector_red
+        assert not T.choose_config(64, "float16", simulator=sim, cc=(8, 0)).vector_red
+    if SIMULATOR:
+        assert not T.choose_config(64, "float16").vector_red
 
 
 _PTX_SCRIPT = r"""
@@ -201,7 +223,7 @@ from nbflash._device import SIMULATOR, compile_ptx_offline
 assert not SIMULATOR
 from cuda.bindings import nvjitlink
 part, parts = int(sys.argv[1]), int(sys.argv[2])
-jobs = [(cc, target) for cc in (80, 90) for target in T.compile_targets()]
+jobs = [(cc, target) for cc in (80, 90) for target in T.compile_targets(divmod(cc, 10))]
 for i, (cc, (name, cfg, kern, sig, fastmath)) in enumerate(jobs):
     if i % parts != part:
         continue
@@ -215,12 +237,14 @@ for i, (cc, (name, cfg, kern, sig, fastmath)) in enumerate(jobs):
     log = log.decode()
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     print(json.dumps(dict(kernel=name, sm=cc, head_dim=cfg.head_dim, kind=cfg.input_kind,
-                          block_m=cfg.block_m, block_n=cfg.block_n,
+                          block_m=cfg.block_m, block_n=cfg.block_n, vector_red=cfg.vector_red,
                           local=len(re.findall(r"\b(?:ld|st)\.local\b", ptx)),
                           regs=int(re.search(r"[Uu]sed (\d+) registers", log).group(1)),
                           spill_bytes=int(spills.group(1)) + int(spills.group(2)),
                           mma=ptx.count("mma.sync.aligned.m16n8k16"),
-                          atomics=len(re.findall(r"\b(?:atom|red)(?:\.global)?\.add\.f32", ptx)))), flush=True)
+                          atom=len(re.findall(r"\batom\.", ptx)),
+                          red=len(re.findall(r"\bred\.global\.add\.f32", ptx)),
+                          red_v2=len(re.findall(r"\bred\.global\.add\.v2\.f32", ptx)))), flush=True)
 """
 
 
@@ -255,7 +279,14 @@ def test_backward_tc_compiles_for_sm80_sm90_in_registers():
         if row["kernel"] == "flash_backward_dq_tc":  # fully unrolled: S, dP and dQ, every 16×8×16 piece
             keys = row["block_m"]
             assert row["mma"] == 2 * (keys // 8) * (d // 16) + (d // 8) * (keys // 16), row
-        assert (row["atomics"] > 0) == (row["kernel"] == "flash_backward_dkdv_atomic_tc"), row
+        # Atomic dQ by global reductions only (no generic-address atom): v2 pairs on sm_90, scalars on sm_80.
+        assert row["atom"] == 0, row
+        assert row["vector_red"] == (row["sm"] >= 90), row
+        reductions = (row["red_v2"] > 0, row["red"] > 0)
+        if row["kernel"] != "flash_backward_dkdv_atomic_tc":
+            assert reductions == (False, False), row
+        else:
+            assert reductions == ((True, False) if row["vector_red"] else (False, True)), row
 
 
 def test_attention_backward_backend_choice(xp):

@@ -415,15 +415,102 @@ def test_packs_are_bit_exact_and_unpack_inverts(rng):
 
 
 # ----------------------------------------------------------------------------
+# Global float32 reductions: red.global.add.f32 and red.global.add.v2.f32
+# ----------------------------------------------------------------------------
+
+RED_SHAPE = (2, 3, 4, 16)  # (batch, heads, rows, columns) float32, as dq_accum
+
+
+@functools.cache
+def red_kernel(vector):
+    """Every lane adds x[block, lane, 0..3] to columns 2p, 2p + 1, 8 + 2p, 9 + 2p of row (lane % 4) of acc[b, h].
+
+    p = (lane // 4) % 4, so lanes ``lane`` and ``lane + 16`` of both blocks hit the
+    same elements: four-way contention.  The row's address is computed once;
+    the second pair is 32 bytes (8 columns) on, as the tiles of an ``mma``
+    accumulator.  ``vector``: one ``red_add_f32x2`` per pair, else two ``red_add_f32``.
+    """
+
+    @kernel
+    def red_add(acc, b, h, x):
+        lane = cuda.threadIdx.x
+        blk = cuda.blockIdx.x
+        addr = I.global_address(acc, (b, h, lane % 4, 2 * (lane // 4 % 4)))
+        for n in range(2):
+            if vector:
+                I.red_add_f32x2(addr + 32 * n, x[blk, lane, 2 * n], x[blk, lane, 2 * n + 1])
+            else:
+                I.red_add_f32(addr + 32 * n, x[blk, lane, 2 * n])
+                I.red_add_f32(addr + 32 * n + 4, x[blk, lane, 2 * n + 1])
+
+    return red_add
+
+
+def expected_red(acc, b, h, x):
+    want = acc.astype(np.float64)
+    for blk in range(x.shape[0]):
+        for lane in range(32):
+            row, col = lane % 4, 2 * (lane // 4 % 4)
+            for n in range(2):
+                for c in range(2):
+                    want[b, h, row, col + 8 * n + c] += x[blk, lane, 2 * n + c]
+    return want
+
+
+@pytest.mark.parametrize("vector", [True, False], ids=["v2", "scalar"])
+def test_red_add_accumulates_every_lane(rng, vector):
+    if vector and not SIMULATOR and cuda.get_current_device().compute_capability < (9, 0):
+        pytest.skip("red.global.add.v2.f32 needs sm_90")
+    acc = rng.integers(-8, 8, size=RED_SHAPE).astype(np.float32)
+    x = (rng.integers(-64, 64, size=(2, 32, 4)) / 8).astype(np.float32)  # sums exact in any order
+    want = expected_red(acc, 1, 2, x)
+    red_kernel(vector)[2, 32](acc, 1, 2, x)
+    np.testing.assert_array_equal(acc, want)  # every other (batch, head, row, column) untouched
+
+
+def test_red_add_flushes_subnormals(rng):
+    """red.add.f32 flushes subnormal inputs to zero (``.ftz``, as the SASS says), keeps normal ones."""
+    acc = np.zeros(RED_SHAPE, dtype=np.float32)
+    x = np.zeros((1, 32, 4), dtype=np.float32)
+    x[0, 0] = [1e-40, 1.0, 2.0**-24, -1e-39]  # subnormal, normal, normal (below 1's ulp), subnormal
+    red_kernel(False)[1, 32](acc, 0, 0, x)
+    assert acc[0, 0, 0, 0] == 0 and acc[0, 0, 0, 1] == 1 and acc[0, 0, 0, 8] == 2.0**-24 and acc[0, 0, 0, 9] == 0
+
+
+def test_red_add_rejects_misaligned_or_outside_addresses():
+    if not SIMULATOR:
+        pytest.skip("the checks are the simulator's (on the GPU these are undefined behaviour)")
+
+    @kernel
+    def misaligned(acc):
+        I.red_add_f32x2(I.global_address(acc, (0, 0, 0, 1)), 1.0, 2.0)  # column 1: 4 bytes past an 8-byte boundary
+
+    @kernel
+    def outside(acc):
+        I.red_add_f32(I.global_address(acc, (0, 0, 0, 0)) + 4 * acc.size, 1.0)  # one element past the end
+
+    acc = np.zeros(RED_SHAPE, dtype=np.float32)
+    with pytest.raises(ValueError, match="8-byte aligned"):
+        misaligned[1, 1](acc)
+    with pytest.raises(IndexError, match="not an element"):
+        outside[1, 1](acc)
+    assert not acc.any()
+
+
+# ----------------------------------------------------------------------------
 # Offline GPU compilation: NVVM → PTX → ptxas (→ SASS), no GPU needed
 # ----------------------------------------------------------------------------
 
 
 def compile_targets():
-    """``(name, kernel, signature, instructions its PTX must contain)`` for every test kernel above."""
+    """``(name, kernel, signature, instructions its PTX must contain)`` for every test kernel above.
+
+    Every one must assemble for sm_80 and sm_90, except those in :data:`SM90_ONLY`,
+    which ptxas must refuse for sm_80.
+    """
     from numba import types
 
-    u16, u32, f32 = types.uint16, types.uint32, types.float32
+    u16, u32, f32, i64 = types.uint16, types.uint32, types.float32, types.int64
 
     def arr(dt, nd, layout="C"):
         return types.Array(dt, nd, layout)
@@ -441,7 +528,13 @@ def compile_targets():
                 ["cp.async.cg.shared.global", "cp.async.commit_group", "cp.async.wait_group 0", "cp.async.wait_all"]))
     out.append(("convert", convert_kernel(), (arr(f32, 2), arr(u32, 2), arr(f32, 2), arr(f32, 1)),
                 ["cvt.rn.f16x2.f32", "cvt.rn.bf16x2.f32", "ex2.approx.ftz.f32"]))
+    red_sig = (arr(f32, 4, "A"), i64, i64, arr(f32, 3))
+    out.append(("red_scalar", red_kernel(False), red_sig, ["red.global.add.f32", "cvta.to.global"]))
+    out.append(("red_v2", red_kernel(True), red_sig, ["red.global.add.v2.f32"]))
     return out
+
+
+SM90_ONLY = {"red_v2"}  # red.global.add.v2.f32: PTX ISA 8.1, sm_90
 
 
 # The SASS each kernel must show (when nvdisasm is available).
@@ -452,7 +545,10 @@ SASS = {
     "ldmatrix_bfloat16": ["LDSM.16.M88.4", "LDSM.16.MT88.4", "HMMA.16816.F32.BF16"],
     "cp_async": ["LDGSTS", "LDGSTS.E.BYPASS.128.ZFILL", "LDGDEPBAR", "DEPBAR"],
     "convert": ["F2FP.F16.F32.PACK_AB", "F2FP.BF16.F32.PACK_AB", "MUFU.EX2"],
+    "red_scalar": ["REDG.E.ADD.F32.FTZ.RN"],  # a global reduction: no ATOM, no generic-address (QSPC) fallback
+    "red_v2": ["REDG.E.ADD.F32x2.FTZ.RN"],
 }
+FORBIDDEN_SASS = {"red_scalar": ["ATOM", "QSPC"], "red_v2": ["ATOM", "QSPC"]}
 
 _OFFLINE_SCRIPT = r"""
 import json, os, re, subprocess, sys, tempfile
@@ -479,6 +575,14 @@ for name, kern, sig, instructions in t.compile_targets():
     for cc in ((8, 0), (9, 0)):
         ptx = compile_ptx_offline(kern.py_func, sig, cc=cc)
         arch = f"sm_{cc[0]}{cc[1]}"
+        if name in t.SM90_ONLY and cc < (9, 0):
+            try:
+                assemble(ptx, arch)
+                refused = False
+            except nvjitlink.nvJitLinkError:
+                refused = True
+            print(json.dumps(dict(kernel=name, arch=arch, refused=refused)), flush=True)
+            continue
         log, cubin = assemble(ptx, arch)
         spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
         row = dict(kernel=name, arch=arch, missing=[i for i in instructions if i not in ptx],
@@ -489,7 +593,7 @@ for name, kern, sig, instructions in t.compile_targets():
                 f.write(cubin)
             sass = subprocess.run([nvdisasm, f.name], capture_output=True, text=True, check=True).stdout
             os.unlink(f.name)
-            row["sass"] = sorted(set(re.findall(r"\b([A-Z][A-Z0-9]+(?:\.[A-Z0-9_]+)*)\b", sass)))
+            row["sass"] = sorted(set(re.findall(r"\b([A-Z][A-Z0-9]+(?:\.[A-Za-z0-9_]+)*)\b", sass)))
         print(json.dumps(row), flush=True)
 """
 
@@ -524,6 +628,9 @@ def test_intrinsics_compile_and_assemble_offline():
     rows = offline_results()
     assert len(rows) == 2 * len(SASS)
     for row in rows:
+        if row["kernel"] in SM90_ONLY and row["arch"] == "sm_80":
+            assert row["refused"], row  # ptxas knows the instruction needs sm_90
+            continue
         assert not row["missing"], row
         assert row["local"] == 0 and row["spill_bytes"] == 0, row
 
@@ -536,3 +643,5 @@ def test_intrinsics_become_tensor_core_sass():
     for row in rows:
         missing = [op for op in SASS[row["kernel"]] if not any(t == op or t.startswith(op + ".") for t in row["sass"])]
         assert not missing, (row["kernel"], missing)
+        extra = [t for t in row["sass"] for op in FORBIDDEN_SASS.get(row["kernel"], ()) if t.split(".")[0] == op]
+        assert not extra, (row["kernel"], extra)
