@@ -24,10 +24,11 @@ through ``extra`` and through ``kernelParams``); ``nbflash.attention`` on CuPy
 arrays (fp16, fp32), and ``nbflash.attention_backward``; ``nbflash.torch.attention`` forward and forward+backward;
 PyTorch's ``scaled_dot_product_attention`` forward and forward+backward.
 
-Also measured, each in a fresh process: the first call of each configuration
-(compile + load) and the second; and whether Numba's on-disk cache can serve
-the forward kernel compiled with an explicit signature (``cuda.jit(cache=True)``
-on the same Python function, compiled in one process, loaded in a second).
+Also measured, each in a fresh process with its own empty ``NUMBA_CACHE_DIR``:
+the first call of each route (compile + load) and the second, twice — *cold*
+(the cache directory is empty: every kernel compiles) and *warm* (a second
+process on the same directory: the kernels load from Numba's on-disk cache,
+see ``nbflash/_device.py``), with the disk-cache hits and misses of each.
 
 Checks (a failure is reported in the table and the JSON, and the exit status is 1):
 the fast launch writes the same bits as the dispatcher's launch; a
@@ -269,6 +270,7 @@ import json, sys, time
 route, dtype = sys.argv[1], sys.argv[2]
 t0 = time.perf_counter()
 import nbflash
+from nbflash._device import disk_cache_stats
 if route == "cupy":
     import cupy as cp
     q, k, v = (cp.random.standard_normal((1, 1, 16, 64), dtype="float32").astype(dtype) for _ in range(3))
@@ -289,33 +291,9 @@ t_import = time.perf_counter() - t0
 times = []
 for _ in range(2):
     t = time.perf_counter(); call(); sync(); times.append(time.perf_counter() - t)
-print(json.dumps(dict(route=route, dtype=dtype, import_s=t_import, first_s=times[0], second_s=times[1])))
-"""
-
-DISK_CACHE = r"""
-import json, os, sys, time
-from nbflash import _device, forward
-cfg = forward.choose_config(64, "float16")
-base = forward.forward_kernel(cfg)
-opts = {k: v for k, v in base.targetoptions.items() if k in ("fastmath", "launch_bounds", "lineinfo", "opt", "lto")}
-try:
-    kern = _device.cuda.jit(cache=True, **opts)(base.py_func)
-except Exception as e:
-    print(json.dumps(dict(ok=False, error=f"cuda.jit(cache=True): {type(e).__name__}: {e}"))); sys.exit()
-sig = forward.kernel_signature(cfg)
-t = time.perf_counter()
-try:
-    kern.compile(sig)
-    kern.overloads[tuple(sig)]._codelibrary.get_cufunc()
-except Exception as e:
-    print(json.dumps(dict(ok=False, error=f"compile: {type(e).__name__}: {e}"))); sys.exit()
-seconds = time.perf_counter() - t
-hits = sum(getattr(kern, "_cache_hits", {}).values())
-misses = sum(getattr(kern, "_cache_misses", {}).values())
-files = sorted(os.listdir(os.environ["NUMBA_CACHE_DIR"])) if os.path.isdir(os.environ["NUMBA_CACHE_DIR"]) else []
-n_files = sum(len(fs) for _, _, fs in os.walk(os.environ["NUMBA_CACHE_DIR"]))
-print(json.dumps(dict(ok=True, cache=type(kern._cache).__name__, compile_s=seconds, hits=hits, misses=misses,
-                      files=n_files)))
+stats = disk_cache_stats()
+print(json.dumps(dict(route=route, dtype=dtype, import_s=t_import, first_s=times[0], second_s=times[1],
+                      hits=stats["hits"], misses=stats["misses"])))
 """
 
 
@@ -328,6 +306,7 @@ def _subprocess_json(script: str, *args: str, env=None) -> dict:
 
 
 def first_calls() -> list[dict]:
+    """Per route: a cold process (empty cache directory) and a warm one (the same directory, second process)."""
     rows = []
     for route, dtype in (
         ("cupy", "float16"),
@@ -337,17 +316,13 @@ def first_calls() -> list[dict]:
         ("torch-fwd+bwd", "float16"),
         ("torch-fwd+bwd", "float32"),
     ):
-        rows.append(_subprocess_json(FIRST_CALL, route, dtype) | {"route": route, "dtype": dtype})
+        with tempfile.TemporaryDirectory() as tmp:
+            env = dict(os.environ, NUMBA_CACHE_DIR=tmp)
+            env.pop("NBFLASH_DISK_CACHE", None)
+            cold = _subprocess_json(FIRST_CALL, route, dtype, env=env)
+            warm = _subprocess_json(FIRST_CALL, route, dtype, env=env)
+        rows.append(dict(route=route, dtype=dtype, cold=cold, warm=warm))
     return rows
-
-
-def disk_cache() -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, NUMBA_CACHE_DIR=tmp)
-        first = _subprocess_json(DISK_CACHE, env=env)
-        second = _subprocess_json(DISK_CACHE, env=env)
-    served = bool(first.get("ok") and second.get("ok") and second.get("hits", 0) > 0)
-    return dict(first_process=first, second_process=second, served_from_disk=served)
 
 
 # ----------------------------------------------------------------------------
@@ -421,7 +396,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results", help="folder for the JSON")
     ap.add_argument("--calls", type=int, default=5000, help="timed calls per row")
     ap.add_argument("--warmup", type=int, default=200)
-    ap.add_argument("--skip-subprocess", action="store_true", help="no first-call / disk-cache measurements")
+    ap.add_argument("--skip-subprocess", action="store_true", help="no first-call (cold / warm cache) measurements")
     args = ap.parse_args(argv)
 
     from tabulate import tabulate
@@ -457,19 +432,26 @@ def main(argv=None) -> int:
     )
     if not args.skip_subprocess:
         result["first_call"] = first_calls()
-        result["disk_cache"] = disk_cache()
         print()
         print(
             tabulate(
                 [
-                    [r["route"], r["dtype"], r.get("first_s"), r.get("second_s"), r.get("error", "")[:60]]
+                    [
+                        r["route"],
+                        r["dtype"],
+                        r["cold"].get("first_s"),
+                        r["warm"].get("first_s"),
+                        r["warm"].get("second_s"),
+                        f"{r['warm'].get('hits', '?')}/{r['warm'].get('misses', '?')}",
+                        (r["cold"].get("error", "") or r["warm"].get("error", ""))[:60],
+                    ]
                     for r in result["first_call"]
                 ],
-                headers=["first call (fresh process)", "dtype", "first s", "second s", "error"],
+                headers=["first call (fresh process)", "dtype", "cold s", "warm s", "second s", "warm hits/misses",
+                         "error"],
                 floatfmt=".3f",
             )
         )
-        print("disk cache (cuda.jit(cache=True), explicit signature):", json.dumps(result["disk_cache"]))
     print("checks:", json.dumps(checks))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,10 @@ from here, so three things are decided once:
   Python implementation here, with the hardware's semantics.
 * **Compilation.** :func:`kernel` and :func:`device_function` wrap
   ``cuda.jit`` with the project's options.
+* **The on-disk cache.** On a GPU every kernel is cached on disk by Numba
+  (``NBFLASH_DISK_CACHE=0`` turns it off), under a key that covers everything
+  that shapes its code, so two tile configurations are never confused; see
+  :class:`_KernelCache`.
 * **Numba-CUDA internals.** Raising a kernel's dynamic shared-memory limit and
   compiling to PTX without a GPU need calls numba-cuda has no public API for;
   they live in :func:`set_max_dynamic_shared` and :func:`compile_ptx_offline`.
@@ -21,9 +25,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import hashlib
+import io
 import os
 import sys
 import threading
+import warnings
+import weakref
+from pathlib import Path
 
 
 def _cuda_driver_present() -> bool:
@@ -65,6 +74,8 @@ __all__ = [
     "is_available",
     "set_max_dynamic_shared",
     "compile_ptx_offline",
+    "disk_cache_enabled",
+    "disk_cache_stats",
     "numba",
 ]
 
@@ -95,12 +106,19 @@ def kernel(fn=None, **options):
 
     ``launch_bounds=(threads, min_blocks)`` caps registers so that many blocks
     fit on a multiprocessor; the simulator has no such option and ignores it.
+    On a GPU the kernel is cached on disk unless ``NBFLASH_DISK_CACHE=0``
+    (see :class:`_KernelCache`).
     """
     if SIMULATOR or options.get("launch_bounds") is None:
         options.pop("launch_bounds", None)
     if fn is None:
-        return lambda f: cuda.jit(**options)(f)
-    return cuda.jit(**options)(fn)
+        return lambda f: kernel(f, **options)
+    dispatcher = cuda.jit(**options)(fn)
+    if not SIMULATOR:
+        _KERNELS.add(dispatcher)
+        if disk_cache_enabled():
+            _enable_disk_cache(dispatcher)
+    return dispatcher
 
 
 def device_function(fn):
@@ -170,6 +188,185 @@ else:
     @device_function
     def syncwarp():
         cuda.syncwarp(FULL_MASK)
+
+
+# --------------------------------------------------------------------------
+# The on-disk kernel cache.
+# --------------------------------------------------------------------------
+#
+# Compiling one kernel configuration takes 3–13 s; Numba can keep the cubin on
+# disk and load it in a later process in well under a second.  Numba's own key
+# (numba/cuda/core/caching.py, Cache._index_key) is the signature, the CUDA
+# runtime version and compute capability, the numba-cuda version, a hash of the
+# kernel's bytecode and a hash of its closure cells pickled by cloudpickle.
+# For nbflash's per-configuration closures that is not enough:
+#
+# * an @intrinsic (the tensor-core kernels' inline PTX) pickles with a
+#   per-process uuid (numba/cuda/extending.py, _Intrinsic._reduce_states), so
+#   the tensor-core kernels would get a new key in every process: never a hit,
+#   and one more file each time;
+# * the target options (fastmath, launch_bounds, opt, debug, lineinfo) are not
+#   in it: two forward configurations that differ only in ``min_blocks`` (the
+#   launch bounds) would share one entry;
+# * the module globals a kernel reads, and the helpers pickle stores by name
+#   (module-level functions: a masking rule, an intrinsic's code generator),
+#   are not in it, and the index is stamped with the kernel's own file only:
+#   after an edit of masking.py the old kernel would load;
+# * all configurations of a kernel share one index file, which Numba updates
+#   read-modify-write without a lock: two processes saving two configurations
+#   at once can leave one configuration's key pointing at the other's cubin.
+#
+# So each kernel gets a :class:`_KernelCache` keyed by
+#     (signature, (CUDA runtime version, compute capability), numba-cuda version, fingerprint)
+# where the fingerprint hashes, with Numba's pickler minus the intrinsic uuids,
+# the kernel's code object, its closure cells (the tile constants, the device
+# functions made for this configuration, each pickled with its own code,
+# closure, globals and options), the module globals it reads, its target
+# options, and the text of every nbflash source file.  Equal fingerprints mean
+# equal compiler input, so the same code.  Each key has its own index and data
+# file (their name ends in a hash of the key) and Numba writes every file under
+# a temporary name and renames it into place, so concurrent processes
+# (pytest -n 8) can only ever replace an entry by an equal one.
+#
+# Still outside the key, as in Numba's: compiler settings read from the
+# environment at compile time rather than through target options, and an NVVM
+# upgrade that leaves the CUDA runtime version unchanged.  Since every edit of
+# nbflash makes new keys, hence new file names, the files of older versions
+# stay until someone deletes them (Numba's shared index would overwrite them).
+
+#: Values of ``NBFLASH_DISK_CACHE`` that turn the disk cache off.
+_OFF = ("0", "false", "no", "off")
+
+#: Every kernel made by :func:`kernel` in this process (for :func:`disk_cache_stats`).
+_KERNELS: weakref.WeakSet = weakref.WeakSet()
+
+
+def disk_cache_enabled() -> bool:
+    """Will kernels created from now on be cached on disk?  On a GPU unless ``NBFLASH_DISK_CACHE=0``, never simulated.
+
+    Where: Numba's usual place — ``$NUMBA_CACHE_DIR`` if set, else ``__pycache__``
+    next to the kernel's source file if writable, else the user's cache directory
+    (``~/.cache/numba``).
+    """
+    return not SIMULATOR and os.environ.get("NBFLASH_DISK_CACHE", "1").strip().lower() not in _OFF
+
+
+def disk_cache_stats() -> dict:
+    """``{"kernels", "hits", "misses"}``: compiled signatures served from disk and compiled afresh, in this process.
+
+    ``kernels`` counts the kernels created so far (each may have several signatures).
+    """
+    kernels = list(_KERNELS)
+    hits = sum(sum(k._cache_hits.values()) for k in kernels)
+    misses = sum(sum(k._cache_misses.values()) for k in kernels)
+    return dict(kernels=len(kernels), hits=hits, misses=misses)
+
+
+def _enable_disk_cache(dispatcher) -> None:
+    """Give ``dispatcher`` a :class:`_KernelCache` (what ``cuda.jit(cache=True)`` does with Numba's own cache)."""
+    try:
+        dispatcher._cache = _KernelCache(dispatcher)
+    except RuntimeError:  # Numba found no writable cache directory: compile every time
+        pass
+
+
+@functools.cache
+def _source_digest() -> str:
+    """sha256 of the text of nbflash's source files: any edit of nbflash invalidates every cached kernel."""
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parent
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _global_names(code) -> set[str]:
+    """Names ``code`` (and the code objects nested in it) may look up as globals."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _global_names(const)
+    return names
+
+
+def kernel_fingerprint(dispatcher) -> str:
+    """The hash that identifies a kernel's compiler input across processes (the heart of its disk-cache key)."""
+    py_func = dispatcher.py_func
+    cells = tuple(cell.cell_contents for cell in py_func.__closure__ or ())
+    module = py_func.__globals__
+    globals_read = {name: module[name] for name in sorted(_global_names(py_func.__code__)) if name in module}
+    options = tuple(sorted(dispatcher.targetoptions.items()))
+    with io.BytesIO() as buf:
+        _StablePickler(buf, protocol=4).dump((py_func.__code__, cells, globals_read, options))
+        return hashlib.sha256(_source_digest().encode() + buf.getvalue()).hexdigest()
+
+
+if not SIMULATOR:
+    import numba_cuda
+    from numba.cuda.core.caching import IndexDataCacheFile
+    from numba.cuda.dispatcher import CUDACache
+    from numba.cuda.extending import _Intrinsic
+    from numba.cuda.serialize import NumbaPickler
+
+    class _StablePickler(NumbaPickler):
+        """Numba's pickler (cloudpickle; a dispatcher pickles as its Python function and options), except that
+        an ``@intrinsic`` pickles as its name and definition, without the per-process uuid Numba gives it.
+
+        Only ever used to hash, never to unpickle.
+        """
+
+        def reducer_override(self, obj):
+            if isinstance(obj, _Intrinsic):
+                return _Intrinsic, (obj._name, obj._defn)
+            return super().reducer_override(obj)
+
+    class _KernelCache(CUDACache):
+        """Numba's CUDA disk cache for one kernel, keyed by :func:`kernel_fingerprint`, one index file per key.
+
+        The files live where Numba's locator puts them (see :func:`disk_cache_enabled`), named
+        ``<module>.<qualname>-<line>.py<ver>-<key hash>.nbi`` (the index) and ``....1.nbc`` (the cubin).
+        A load that fails for any reason is a miss; a save that fails is skipped, with a warning.
+        """
+
+        def __init__(self, dispatcher):
+            self._dispatcher = weakref.ref(dispatcher)
+            self._fingerprint = None
+            super().__init__(dispatcher.py_func)
+
+        def _index_key(self, sig, codegen):
+            if self._fingerprint is None:
+                self._fingerprint = kernel_fingerprint(self._dispatcher())
+            key = (sig, codegen.magic_tuple(), numba_cuda.__version__, self._fingerprint)
+            if self._launch_config_key is not None:  # Numba's launch-config-sensitive kernels (none here)
+                key += (("launch_config", self._launch_config_key),)
+            return key
+
+        def _entry(self, key) -> IndexDataCacheFile:
+            """The index and data files of ``key`` alone."""
+            digest = hashlib.sha256(repr(key).encode()).hexdigest()[:20]
+            stamp = self._impl.locator.get_source_stamp()
+            return IndexDataCacheFile(self._cache_path, f"{self._impl.filename_base}-{digest}", stamp)
+
+        def _load_overload(self, sig, target_context):
+            if not self._enabled:
+                return None
+            try:
+                key = self._index_key(sig, target_context.codegen())
+                data = self._entry(key).load(key)
+                return None if data is None else self._impl.rebuild(target_context, data)
+            except Exception:  # a truncated or foreign file: compile instead (and overwrite it)
+                return None
+
+        def _save_overload(self, sig, data):
+            if not self._enabled:
+                return
+            try:
+                self._impl.locator.ensure_cache_path()
+                key = self._index_key(sig, data.codegen)
+                self._entry(key).save(key, self._impl.reduce(data))
+            except Exception as e:  # e.g. a kernel whose closure cannot be pickled: it just is not cached
+                self.disable()
+                warnings.warn(f"nbflash: not caching {self._name} on disk: {type(e).__name__}: {e}", stacklevel=2)
 
 
 # --------------------------------------------------------------------------
