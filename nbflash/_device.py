@@ -248,7 +248,7 @@ def disk_cache_enabled() -> bool:
     next to the kernel's source file if writable, else the user's cache directory
     (``~/.cache/numba``).
     """
-    return not SIMULATOR and os.environ.get("NBFLASH_DISK_CACHE", "1").strip().lower() not in _OFF
+    return _CACHE_SUPPORTED and os.environ.get("NBFLASH_DISK_CACHE", "1").strip().lower() not in _OFF
 
 
 def disk_cache_stats() -> dict:
@@ -266,7 +266,7 @@ def _enable_disk_cache(dispatcher) -> None:
     """Give ``dispatcher`` a :class:`_KernelCache` (what ``cuda.jit(cache=True)`` does with Numba's own cache)."""
     try:
         dispatcher._cache = _KernelCache(dispatcher)
-    except RuntimeError:  # Numba found no writable cache directory: compile every time
+    except Exception:  # e.g. Numba found no writable cache directory: compile every time
         pass
 
 
@@ -301,12 +301,20 @@ def kernel_fingerprint(dispatcher) -> str:
         return hashlib.sha256(_source_digest().encode() + buf.getvalue()).hexdigest()
 
 
-if not SIMULATOR:
+try:  # numba-cuda internals (0.30.x): without them nbflash just compiles every time
+    if SIMULATOR:
+        raise ImportError("no disk cache in the simulator")
     import numba_cuda
     from numba.cuda.core.caching import IndexDataCacheFile
     from numba.cuda.dispatcher import CUDACache
     from numba.cuda.extending import _Intrinsic
     from numba.cuda.serialize import NumbaPickler
+except ImportError:
+    _CACHE_SUPPORTED = False
+else:
+    _CACHE_SUPPORTED = True
+
+if _CACHE_SUPPORTED:
 
     class _StablePickler(NumbaPickler):
         """Numba's pickler (cloudpickle; a dispatcher pickles as its Python function and options), except that
