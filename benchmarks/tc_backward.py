@@ -14,7 +14,19 @@ Run on a CUDA machine (CuPy and PyTorch needed)::
    warm-up, next to SDPA's flash backward (autograd.grad on a retained graph)
    in the same run.
 
-Results go to ``<out>/tc-backward-<device>-<date>.json``.
+Tile sweep (``--configs 64x64r,128x128r,64x128``): candidate configurations of
+:mod:`nbflash.backward_tc`, by tag ``<block_m>x<block_n>`` plus ``r`` when each
+warp keeps its K/V fragments in registers (``@64`` after a tag: that head dim
+only); each head dim's current default (``choose_config``) always runs too.
+Each candidate is compiled (registers, local memory), checked against float64
+autograd with the flash-attn rule (bhsd, odd sizes, causal and not; a failing
+candidate is reported and not timed), then timed through
+``launch_backward_tc`` — deterministic dQ, and with ``--atomic`` the atomic dQ
+route too — next to SDPA's flash backward on the same inputs, several calls
+between two events so that host time does not count.
+
+Results go to ``<out>/tc-backward-<device>-<date><suffix>.json`` (the tile sweep
+rewrites it after every timed shape, so a run cut short keeps what it measured).
 """
 
 from __future__ import annotations
@@ -24,7 +36,10 @@ import datetime
 import json
 import math
 import os
+import re
+import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +49,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.forward_sweep import environment  # noqa: E402
 from benchmarks.tc_sweep import as_cupy, cuda_time_ms  # noqa: E402
 from nbflash import api  # noqa: E402
+from nbflash import backward_tc as T  # noqa: E402
+
+KIND = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DEVICE = "cuda"
+TOKENS, WIDTH = 16384, 2048  # timed shapes: batch · N and heads · D
+TAG = re.compile(r"(\d+)x(\d+)(r?)(?:@(\d+))?")
+# (seqlen_q, seqlen_k, causal) of the candidates' check: ragged tiles, both causal shapes, whole blocks.
+SWEEP_CASES = [(97, 97, False), (200, 97, True), (97, 200, True), (1025, 1025, True), (2048, 2048, False)]
 
 
 def torch_of(a, dtype):
@@ -112,6 +136,238 @@ def check(log, dims, dtypes):
     return failures
 
 
+def tag(cfg: T.TCBackwardConfig) -> str:
+    """``64x128r``: block_m × block_n, ``r`` when the K/V fragments stay in registers."""
+    return f"{cfg.block_m}x{cfg.block_n}{'r' if cfg.kv_in_registers else ''}"
+
+
+def parse_configs(spec: str, dims, kinds) -> list[T.TCBackwardConfig]:
+    """The candidates of ``--configs``: per head dim and kind, the default first, then each tag (``@D``: that D only).
+
+    A tag that is malformed, or names tiles that ``TCBackwardConfig`` refuses, raises ``ValueError``.
+    """
+    tags = [t.strip() for t in spec.split(",") if t.strip()]
+    parsed = []
+    for t in tags:
+        m = TAG.fullmatch(t)
+        if not m:
+            raise ValueError(f"bad config tag {t!r}: expected <block_m>x<block_n>[r][@<head dim>], e.g. 64x128r")
+        parsed.append((int(m[1]), int(m[2]), m[3] == "r", int(m[4]) if m[4] else None))
+    cfgs = []
+    for d in dims:
+        for kind in kinds:
+            default = T.choose_config(d, kind, simulator=False)
+            mine = [default]
+            for bm, bn, regs, only in parsed:
+                cfg = T.TCBackwardConfig(bm, bn, d, kind, kv_in_registers=regs)
+                if (only is None or only == d) and cfg not in mine:
+                    mine.append(cfg)
+            cfgs += mine
+    return cfgs
+
+
+def run_cfg(cfg, q, k, v, do, o, lse, causal, deterministic, grads=None, check=True):
+    """``launch_backward_tc`` with ``cfg`` on (B, H, N, D) torch tensors (o, lse: the forward's CuPy arrays).
+
+    Returns dq, dk, dv as torch tensors: ``grads`` if given, else fresh ones poisoned with NaN.
+    """
+    if grads is None:
+        grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
+    cq, ck, cv, cdo, cdq, cdk, cdv = (as_cupy(x) for x in (q, k, v, do, *grads))
+    scale = 1 / math.sqrt(q.shape[-1])
+    T.launch_backward_tc(cfg, cdo, cq, ck, cv, o, lse, cdq, cdk, cdv, scale, causal, deterministic, check=check)
+    return grads
+
+
+def kernel_info(dispatcher) -> dict:
+    """Registers, local and static shared memory of a dispatcher's (first) compiled kernel."""
+    kern = next(iter(dispatcher.overloads.values()), None)
+    return {a: getattr(kern, a, None) for a in ("regs_per_thread", "local_mem_per_thread", "shared_mem_per_block")}
+
+
+def compile_configs(log, cfgs, routes):
+    """Compile each candidate by one small launch per route; ``[(cfg, info)]`` of those that compile and launch."""
+    compiled = []
+    for cfg in cfgs:
+        dtype = next(dt for dt, kind in KIND.items() if kind == cfg.input_kind)
+        x = torch.randn(1, 1, 64, cfg.head_dim, device=DEVICE, dtype=dtype)
+        bf16 = dtype == torch.bfloat16
+        o, lse = api.forward_arrays(as_cupy(x), as_cupy(x), as_cupy(x), bf16_bits=bf16)
+        t0 = time.perf_counter()
+        try:
+            for det in routes:
+                run_cfg(cfg, x, x, x, x, o, lse, False, det)
+            torch.cuda.synchronize()
+        except Exception as e:  # a configuration that cannot compile or launch is reported, not fatal
+            log(f"{tag(cfg)} D{cfg.head_dim} {cfg.input_kind}: {type(e).__name__}: {e}")
+            continue
+        info = {"compile_s": round(time.perf_counter() - t0, 1)}
+        for name, det in (("dkdv", True), ("dkdv_atomic", False)):
+            if det in routes:
+                info[name] = {**kernel_info(T.dkdv_tc_kernel(cfg, not det)), "dynamic_smem": T.shared_bytes(cfg, name)}
+        if True in routes:
+            info["dq"] = {**kernel_info(T.dq_tc_kernel(cfg)), "dynamic_smem": T.shared_bytes(cfg, "dq")}
+        log(f"compiled {tag(cfg)} D{cfg.head_dim} {cfg.input_kind}: {json.dumps(info)}")
+        compiled.append((cfg, info))
+    return compiled
+
+
+def check_configs(log, cfgs, routes):
+    """Each candidate (each dQ route) against float64 autograd, the flash-attn rule; returns those that pass.
+
+    bhsd only (each layout is another compiled kernel; layouts are the default check's and the tests' job).
+    """
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    failed, worst = set(), dict.fromkeys(cfgs, 0.0)
+    for d, kind in dict.fromkeys((c.head_dim, c.input_kind) for c in cfgs):
+        dtype = next(dt for dt, k in KIND.items() if k == kind)
+        group = [c for c in cfgs if (c.head_dim, c.input_kind) == (d, kind)]
+        for n_q, n_k, causal in SWEEP_CASES:
+            q, k, v = (torch.randn(2, 3, n, d, device=DEVICE, dtype=dtype, generator=g) for n in (n_q, n_k, n_k))
+            do = torch.randn_like(q)
+            ref = ref_grads(q, k, v, do, causal, "bhsd", torch.float64)
+            naive = ref_grads(q, k, v, do, causal, "bhsd", dtype)
+            o, lse = api.forward_arrays(
+                *(as_cupy(x) for x in (q, k, v)), causal=causal, bf16_bits=dtype == torch.bfloat16
+            )
+            for cfg in group:
+                for det in routes:
+                    if cfg in failed:
+                        continue
+                    try:
+                        out = run_cfg(cfg, q, k, v, do, o, lse, causal, det)
+                    except Exception as e:
+                        failed.add(cfg)
+                        log(f"FAIL {tag(cfg)} D{d} {kind}: {type(e).__name__}: {e}")
+                        continue
+                    for name, x, r, nv in zip("q k v".split(), out, ref, naive, strict=True):
+                        err = (x.double() - r).abs().max().item()
+                        nerr = (nv.double() - r).abs().max().item()
+                        worst[cfg] = max(worst[cfg], err / max(nerr, 1e-9))
+                        if not (math.isfinite(err) and err <= 2 * nerr + 1e-4):
+                            failed.add(cfg)
+                            log(
+                                f"FAIL {tag(cfg)} D{d} {kind} {n_q}x{n_k} causal={causal} det={det} d{name}: "
+                                f"err {err:.2e} naive {nerr:.2e}"
+                            )
+    for cfg in cfgs:
+        verdict = "FAILED, not timed" if cfg in failed else "ok"
+        log(f"check {tag(cfg)} D{cfg.head_dim} {cfg.input_kind}: worst err/naive {worst[cfg]:.2f} {verdict}")
+    return [c for c in cfgs if c not in failed]
+
+
+def events_ms(fn, reps, inner=2, warmup=2):
+    """Median over ``reps`` of the CUDA-event time of ``inner`` back-to-back calls, per call.
+
+    One more call is queued before the first event, so the GPU is still busy with it while the host
+    queues the timed ones: host time (argument checks, launches) does not count, for nbflash or SDPA.
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        fn()
+        a.record()
+        for _ in range(inner):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / inner)
+    return statistics.median(times)
+
+
+def sweep_row(cfgs, dtype, d, causal, n, routes, reps):
+    """TFLOP/s of SDPA's flash backward and of each candidate (each dQ route) on one shape."""
+    b, h = max(1, TOKENS // n), WIDTH // d
+    q, k, v, do = (torch.randn(b, h, n, d, device=DEVICE, dtype=dtype) for _ in range(4))
+    fl = 2.5 * 4.0 * b * h * n * n * d / (2 if causal else 1)
+    row = {"dtype": str(dtype).split(".")[-1], "D": d, "causal": causal, "N": n, "B": b, "H": h}
+    qs, ks, vs = (x.detach().requires_grad_() for x in (q, k, v))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
+        ms = events_ms(lambda: torch.autograd.grad(o, (qs, ks, vs), do, retain_graph=True), reps)
+    row["sdpa-flash"] = fl / ms / 1e9
+    o_, lse = api.forward_arrays(*(as_cupy(x) for x in (q, k, v)), causal=causal, bf16_bits=dtype == torch.bfloat16)
+    grads = [torch.empty_like(x) for x in (q, k, v)]
+    cq, ck, cv, cdo, cdq, cdk, cdv = (as_cupy(x) for x in (q, k, v, do, *grads))
+    scale = 1 / math.sqrt(d)
+    for cfg in cfgs:
+        for det in routes:
+
+            def call(cfg=cfg, det=det):
+                T.launch_backward_tc(cfg, cdo, cq, ck, cv, o_, lse, cdq, cdk, cdv, scale, causal, det, check=False)
+
+            name = f"nb-{tag(cfg)}{'' if det else '-atomic'}"
+            try:
+                row[name] = fl / events_ms(call, reps) / 1e9
+            except Exception as e:  # checked already, so unexpected: recorded, and the sweep goes on
+                row[name] = f"{type(e).__name__}: {e}"
+    return row
+
+
+def summarize(log, results):
+    """Per head dim and dtype: each candidate's geometric mean TFLOP/s and its range of ratios to SDPA flash."""
+    for d, dt in dict.fromkeys((r["D"], r["dtype"]) for r in results):
+        rows = [r for r in results if (r["D"], r["dtype"]) == (d, dt)]
+        names = [k for k in rows[0] if k.startswith("nb-")]
+        log(f"summary D{d} {dt} ({len(rows)} shapes): geomean TFLOP/s, min-max ratio to sdpa-flash")
+        ranked = []
+        for name in names:
+            if not all(isinstance(r.get(name), float) for r in rows):
+                log(f"  {name:<20} failed to run on some shape")
+                continue
+            tf = [r[name] for r in rows]
+            ratio = [r[name] / r["sdpa-flash"] for r in rows]
+            ranked.append((math.exp(statistics.fmean(math.log(x) for x in tf)), name, min(ratio), max(ratio)))
+        for gm, name, lo, hi in sorted(ranked, reverse=True):
+            log(f"  {name:<20} {gm:7.1f}   {lo:.2f}-{hi:.2f}")
+
+
+def sweep(args, log, env, save):
+    """``--configs``: compile, check and time the candidates; ``save(data)`` after each step (a time limit
+    that cuts the run short leaves the rows so far)."""
+    start = time.perf_counter()
+    dtypes = [DTYPES[s] for s in args.dtypes.split(",")]
+    dims = [int(x) for x in args.dims.split(",")]
+    routes = (True, False) if args.atomic else (True,)
+    cfgs = parse_configs(args.configs, dims, [KIND[dt] for dt in dtypes])
+    defaults = {
+        f"D{c.head_dim} {c.input_kind}": tag(c)
+        for c in cfgs
+        if c == T.choose_config(c.head_dim, c.input_kind, simulator=False)
+    }
+    log("candidates: " + ", ".join(f"{tag(c)} D{c.head_dim} {c.input_kind}" for c in cfgs) + f"; defaults {defaults}")
+    compiled = compile_configs(log, cfgs, routes)
+    log(f"[{time.perf_counter() - start:.0f} s] compiled {len(compiled)} of {len(cfgs)}")
+    good = [c for c, _ in compiled]
+    if not args.no_check:
+        good = check_configs(log, good, routes)
+        log(f"[{time.perf_counter() - start:.0f} s] checked: {len(good)} pass")
+    results = []
+
+    def data():
+        configs = [{"tag": tag(c), "cfg": str(c), "passed": c in good, **i} for c, i in compiled]
+        return {"environment": env, "defaults": defaults, "configs": configs, "results": results}
+
+    save(data())
+    for d in dims:
+        for dtype in dtypes:
+            mine = [c for c in good if (c.head_dim, c.input_kind) == (d, KIND[dtype])]
+            for causal in (False, True):
+                for n in [int(x) for x in args.seqlens.split(",") if x]:
+                    row = sweep_row(mine, dtype, d, causal, n, routes, args.reps)
+                    results.append(row)
+                    save(data())
+                    log(
+                        f"[{time.perf_counter() - start:.0f} s] "
+                        + " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+                    )
+    summarize(log, results)
+    return data()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results")
@@ -119,9 +375,18 @@ def main():
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--configs", help="tile sweep: these candidates by tag (e.g. 64x64r,128x128r,64x128@128)")
+    ap.add_argument("--atomic", action="store_true", help="tile sweep: time the atomic dQ route too")
+    ap.add_argument("--reps", type=int, default=20, help="tile sweep: timed repetitions per candidate and shape")
+    ap.add_argument("--suffix", default="", help="appended to the JSON's file name")
     args = ap.parse_args()
-    dtypes = [{"bf16": torch.bfloat16, "fp16": torch.float16}[s] for s in args.dtypes.split(",")]
+    dtypes = [DTYPES[s] for s in args.dtypes.split(",")]
     dims = [int(x) for x in args.dims.split(",")]
+    if args.configs:
+        try:
+            parse_configs(args.configs, dims, [KIND[dt] for dt in dtypes])
+        except ValueError as e:
+            ap.error(str(e))
     lines = []
 
     def log(msg):
@@ -129,6 +394,10 @@ def main():
         lines.append(msg)
 
     env = environment()
+    if args.configs:
+        data = sweep(args, log, env, lambda data: write(args, data, None, lines))
+        write(args, data, log, lines)
+        return
     if not args.no_check:
         log(f"correctness failures: {check(log, dims, dtypes)}")
     results = []
@@ -136,7 +405,7 @@ def main():
         for dtype in dtypes:
             for causal in (False, True):
                 for n in [int(x) for x in args.seqlens.split(",") if x]:
-                    b, h = max(1, 16384 // n), 2048 // d
+                    b, h = max(1, TOKENS // n), WIDTH // d
                     q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(4))
                     fl = 2.5 * 4.0 * b * h * n * n * d / (2 if causal else 1)
                     row = {"dtype": str(dtype).split(".")[-1], "D": d, "causal": causal, "N": n}
@@ -172,12 +441,18 @@ def main():
                         row[name] = fl / ms / 1e9
                     results.append(row)
                     log(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    write(args, {"environment": env, "results": results}, log, lines)
+
+
+def write(args, data, log, lines):
+    """``<out>/tc-backward-<device>-<date><suffix>.json``, with the log; says so if ``log``."""
     os.makedirs(args.out, exist_ok=True)
     dev = torch.cuda.get_device_name().replace(" ", "-")
-    path = os.path.join(args.out, f"tc-backward-{dev}-{datetime.date.today()}.json")
+    path = os.path.join(args.out, f"tc-backward-{dev}-{datetime.date.today()}{args.suffix}.json")
     with open(path, "w") as f:
-        json.dump({"environment": env, "results": results, "log": lines}, f, indent=1)
-    log(f"wrote {path}")
+        json.dump({**data, "log": lines}, f, indent=1)
+    if log:
+        log(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -324,11 +324,13 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
     M_STEPS = BLOCK_M // 16  # k-steps of dV += Pᵀ dO, dK += dSᵀ Q
     N_STEPS = BLOCK_N // 16  # k-steps of dQ += dS K
     # Step 1g: the BLOCK_M × D block of dQ_i is cut into units of 16 queries × DQ_CHUNK columns,
-    # dealt round-robin to the warps (wide enough that every warp has one where the tiles allow).
-    DQ_CHUNK = max(16, D // max(1, WARPS // M_STEPS))
-    while D % DQ_CHUNK:
-        DQ_CHUNK -= 16
-    DQ_CHUNKS = D // DQ_CHUNK
+    # dealt round-robin to the warps.  DQ_CHUNK is a multiple of 16 (one mma is 8 columns, an
+    # ldmatrix.trans of K_j 16) that divides D, as wide as still gives every warp a unit where the
+    # tiles allow: D = 80 with 4 warps and 32 queries is 5 chunks of 16, not 2 of 40.
+    D16 = D // 16
+    want = min(D16, max(1, WARPS // M_STEPS))  # chunks per 16 queries that would keep every warp busy
+    DQ_CHUNKS = next(c for c in range(want, D16 + 1) if D16 % c == 0)  # ... rounded up to a divisor of D / 16
+    DQ_CHUNK = D // DQ_CHUNKS
     DQ_TILES = DQ_CHUNK // 8  # 8-wide column tiles of one unit
     DQ_UNITS = M_STEPS * DQ_CHUNKS
     DQ_ROUNDS = -(-DQ_UNITS // WARPS)
@@ -650,15 +652,17 @@ def dq_tc_kernel(cfg: TCBackwardConfig):
                 for i in range(4):
                     S[n, i] = ZERO
                     dP[n, i] = ZERO
-            for n2 in range(N_TILES // 2):  # two loop nests, not one: NVVM unrolls each of them fully
-                for kk in range(K_STEPS):
+            # Two loop nests, not one, k-steps outside: NVVM unrolls each of them fully (with the key tiles
+            # outside, 128-key tiles at D = 64 and 64-key tiles at D = 128 stayed loops, S and dP in local memory).
+            for kk in range(K_STEPS):
+                for n2 in range(N_TILES // 2):
                     kb = I.ldmatrix_x4(smem, k_base + (16 * n2 + bt_row) * PITCH + 16 * kk + bt_col)
                     for half in range(2):
                         mma_into(
                             S, 2 * n2 + half, qf[kk, 0], qf[kk, 1], qf[kk, 2], qf[kk, 3], kb[2 * half], kb[2 * half + 1]
                         )
-            for n2 in range(N_TILES // 2):
-                for kk in range(K_STEPS):
+            for kk in range(K_STEPS):
+                for n2 in range(N_TILES // 2):
                     vb = I.ldmatrix_x4(smem, v_base + (16 * n2 + bt_row) * PITCH + 16 * kk + bt_col)
                     for half in range(2):
                         mma_into(
@@ -726,7 +730,8 @@ def choose_config(
 ) -> TCBackwardConfig:
     """The configuration for a head dim (a multiple of 16 up to 128): 4 warps, 64 stationary rows.
 
-    Not tuned by a sweep yet (the H200 figures in docs/performance.md are for these tiles).
+    Not tuned by a sweep yet (the H200 figures in docs/performance.md are for these tiles);
+    ``benchmarks/tc_backward.py --configs`` checks and times other tiles against these.
 
     ================  ===================================  ==========================================
     head dim          dK/dV: keys × queries per tile        registers per warp row (fp32 values)

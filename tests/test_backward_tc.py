@@ -134,6 +134,7 @@ CASES = [
     ("bfloat16", False, True, 20, 37, 16, "bshd"),
     ("float16", False, False, 1, 1, 16, "bhsd"),  # one query, one key
     ("bfloat16", True, True, 45, 13, 16, "bhsd"),  # whole query tiles see no key
+    ("float16", False, False, 19, 21, 48, "bhsd"),  # atomic dQ of D = 48 in three 16-column units
 ]
 
 
@@ -185,6 +186,19 @@ def test_backward_tc_gpu_configuration(xp, rng, d):
     cfg = T.choose_config(d, "float16", simulator=False)
     got, values, scale = run_backward(xp, rng, 70, 69, d, "float16", True, False, heads=1, cfg=cfg)
     check_against_reference(got, values, scale, True, "float16")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+def test_backward_tc_eight_warps(xp, rng, deterministic):
+    """8 warps (128 keys per dK/dV block, 128 queries per dQ block), 32-row streamed tiles, K/V re-read.
+
+    More threads than chunks in a 32-row tile copy, four dQ units of step 1g for eight warps; the
+    smallest run that has them (256 simulated threads: about 10 s each).
+    """
+    cfg = T.TCBackwardConfig(32, 128, 32, "bfloat16", kv_in_registers=False)
+    got, values, scale = run_backward(xp, rng, 37, 45, 32, "bfloat16", True, deterministic, heads=1, cfg=cfg)
+    check_against_reference(got, values, scale, True, "bfloat16")
 
 
 def test_config_and_can_implement():
