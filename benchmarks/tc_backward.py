@@ -159,7 +159,7 @@ def parse_configs(spec: str, dims, kinds) -> list[T.TCBackwardConfig]:
             default = T.choose_config(d, kind, simulator=False)
             mine = [default]
             for bm, bn, regs, only in parsed:
-                cfg = T.TCBackwardConfig(bm, bn, d, kind, kv_in_registers=regs)
+                cfg = T.TCBackwardConfig(bm, bn, d, kind, kv_in_registers=regs, vector_red=default.vector_red)
                 if (only is None or only == d) and cfg not in mine:
                     mine.append(cfg)
             cfgs += mine
