@@ -252,14 +252,16 @@ def disk_cache_enabled() -> bool:
 
 
 def disk_cache_stats() -> dict:
-    """``{"kernels", "hits", "misses"}``: compiled signatures served from disk and compiled afresh, in this process.
+    """``{"kernels", "hits", "misses", "missed"}``: compiled signatures served from disk and compiled afresh, in
+    this process; ``missed`` names the kernels that were compiled.
 
     ``kernels`` counts the kernels created so far (each may have several signatures).
     """
     kernels = list(_KERNELS)
     hits = sum(sum(k._cache_hits.values()) for k in kernels)
     misses = sum(sum(k._cache_misses.values()) for k in kernels)
-    return dict(kernels=len(kernels), hits=hits, misses=misses)
+    missed = sorted(k.py_func.__name__ for k in kernels if sum(k._cache_misses.values()))
+    return dict(kernels=len(kernels), hits=hits, misses=misses, missed=missed)
 
 
 def _enable_disk_cache(dispatcher) -> None:
@@ -305,6 +307,8 @@ try:  # numba-cuda internals (0.30.x): without them nbflash just compiles every 
     if SIMULATOR:
         raise ImportError("no disk cache in the simulator")
     import numba_cuda
+    from llvmlite.ir import Type as _LLVMType
+    from numba.core.types import Type as _NumbaType
     from numba.cuda.core.caching import IndexDataCacheFile
     from numba.cuda.dispatcher import CUDACache
     from numba.cuda.extending import _Intrinsic
@@ -326,6 +330,13 @@ if _CACHE_SUPPORTED:
         def reducer_override(self, obj):
             if isinstance(obj, _Intrinsic):
                 return _Intrinsic, (obj._name, obj._defn)
+            if isinstance(obj, _NumbaType):
+                # A Numba type pickles with its __dict__, which typing fills with caches as kernels compile:
+                # the same type would hash differently before and after the first compilation in a process.
+                # Its class and name identify it (types are interned by them).
+                return str, (f"numba type {type(obj).__module__}.{type(obj).__qualname__}:{obj.name}",)
+            if isinstance(obj, _LLVMType):  # the same: llvmlite caches its text form in the instance
+                return str, (f"llvm type {obj}",)
             return super().reducer_override(obj)
 
     class _KernelCache(CUDACache):
