@@ -57,6 +57,7 @@ import numba  # noqa: E402
 from numba import cuda  # noqa: E402
 from numba.cuda import cgutils  # noqa: E402
 from numba.cuda.core import config as _cuda_config  # noqa: E402
+from numba.cuda.core import targetconfig as _targetconfig  # noqa: E402
 
 # ``@intrinsic`` lets a kernel module emit inline PTX (see nbflash.intrinsics);
 # re-exported here so that module, too, needs nothing from numba.cuda directly.
@@ -77,6 +78,7 @@ __all__ = [
     "disk_cache_enabled",
     "disk_cache_stats",
     "numba",
+    "target_cc",
 ]
 
 # Small grids are normal here (one head, a short sequence); Numba's
@@ -620,6 +622,11 @@ def _pretend_device(cc):
         yield
     finally:
         disp.get_current_device = saved
+
+
+def target_cc() -> tuple[int, int]:
+    """The compute capability being compiled for — call it only inside an intrinsic's code generator."""
+    return tuple(_targetconfig.ConfigStack().top().compute_capability)
 
 
 def compile_ptx_offline(pyfunc, signature, cc=(9, 0), **options) -> str:

@@ -12,6 +12,23 @@ Thread layout.  A block has ``THREADS_Y × THREADS_X`` threads; thread
 ``THREADS_X`` threads that share a row are lanes of one warp: a row's max or
 sum is a butterfly of warp shuffles, and a row written to shared memory by
 those lanes needs only a warp barrier before they read it back.
+
+Along the head dim a thread owns ``DCOLS = head_dim_pad / THREADS_X`` columns
+(of the output ``O``, of ``dK``, ``dV``, ``dQ``) in runs of ``CHUNK``
+(:func:`d_chunk`): run ``c`` is the columns ``c·CHUNK·THREADS_X + tx·CHUNK +
+[0, CHUNK)``.  By default one run (``CHUNK = DCOLS``: columns ``tx·DCOLS …``).
+With ``interleave`` the runs are one 16-byte vector wide, so that one vector
+load by the lanes of a row reads consecutive addresses (at ``DCOLS = 8``
+contiguous runs put lanes ``tx`` and ``tx + 4`` on the same banks)::
+
+    DCOLS = 8, THREADS_X = 16, columns of lane tx
+      contiguous:   tx·8 … tx·8 + 7
+      interleave:   tx·4 … tx·4 + 3   and   64 + tx·4 … 64 + tx·4 + 3
+
+A block may also hold ``groups`` copies of the ``THREADS_Y × THREADS_X``
+layout (``threadIdx.z``), which split the work between them — the dK/dV kernel
+of the backward pass uses two: one computes ``P`` and ``dV``, the other
+``dP``, ``dS`` and ``dK``.  Tile loads use every thread of the block.
 """
 
 from __future__ import annotations
@@ -41,6 +58,9 @@ class TileConfig:
     acc_kind: str = "float32"  # accumulate and keep tiles in float32 (float64 for float64 inputs)
     trace: bool = False  # record m_i and l_i after every key tile (the teaching demo)
     min_blocks: int = 0  # if > 0: launch bounds asking for this many resident blocks per SM
+    groups: int = 1  # copies of the thread layout (threadIdx.z); only the backward's dK/dV kernel takes 2
+    interleave: bool = False  # head-dim columns in 16-byte runs (see the module docstring), not one run
+    longest_first: bool = False  # grid order: every head's longest tile first (see grid_shape)
 
     def __post_init__(self):
         tx, ty = self.threads_x, self.threads_y
@@ -55,10 +75,19 @@ class TileConfig:
                 raise ValueError(f"{name}={size} must be a positive multiple of {div}")
         if self.input_kind not in INPUT_KINDS:
             raise ValueError(f"input_kind must be one of {INPUT_KINDS}, got {self.input_kind!r}")
+        if self.groups not in (1, 2):
+            raise ValueError(f"groups must be 1 or 2, got {self.groups}")
+        # The backward's atomic dQ step gives each group its own share of the head dim.
+        step = tx * self.groups * (16 // self.acc_itemsize if self.interleave else 1)
+        if self.head_dim_pad % step:
+            raise ValueError(
+                f"head_dim_pad={self.head_dim_pad} must be a multiple of {step} (threads_x · groups"
+                f"{' · one 16-byte vector' if self.interleave else ''})"
+            )
 
     @property
     def threads(self) -> int:
-        return self.threads_x * self.threads_y
+        return self.threads_x * self.threads_y * self.groups
 
     @property
     def acc_itemsize(self) -> int:
@@ -85,6 +114,60 @@ def vector_width(cfg: TileConfig) -> int:
     while cfg.head_dim_pad % vec or cfg.block_n % vec:
         vec //= 2
     return vec
+
+
+def grid_shape(cfg: TileConfig, tiles: int, heads: int, batch: int) -> tuple[int, int, int]:
+    """The launch grid for ``tiles`` tiles of each of ``batch × heads`` sequences; see :func:`make_block_tile`.
+
+    The GPU starts blocks in order of their linear index (``x`` fastest).  By
+    default ``x`` is the tile, so the blocks of one (batch, head) start
+    together and share its K and V in L2.  With ``cfg.longest_first`` the tile
+    is ``z``: the longest tile of every (batch, head) starts before any
+    shorter one, which leaves only short blocks for the end of a causal grid
+    (the greedy "longest job first" schedule), at the price of that L2 sharing.
+    """
+    return (heads, batch, tiles) if cfg.longest_first else (tiles, heads, batch)
+
+
+def make_block_tile(cfg: TileConfig, reverse: bool = False):
+    """Device function: ``(tile, h, b)`` of this block in a grid of :func:`grid_shape`.
+
+    Tiles start in the order ``0, 1, 2, …`` — or, with ``reverse``, from the
+    last tile down (the forward's and dQ's last query tiles have the most keys).
+    """
+    LONGEST_FIRST, REVERSE = cfg.longest_first, reverse
+
+    def block_tile():
+        if LONGEST_FIRST:
+            rank, tiles, h, b = cuda.blockIdx.z, cuda.gridDim.z, cuda.blockIdx.x, cuda.blockIdx.y
+        else:
+            rank, tiles, h, b = cuda.blockIdx.x, cuda.gridDim.x, cuda.blockIdx.y, cuda.blockIdx.z
+        return (tiles - 1 - rank if REVERSE else rank), h, b
+
+    return device_function(block_tile)
+
+
+def make_d_column(cfg: TileConfig, columns: int | None = None):
+    """Device function ``d_column(tx, e)``: the ``e``-th head-dim column of lane ``tx`` (module docstring).
+
+    ``columns``: how many columns each thread owns (default ``head_dim_pad / threads_x``).
+    """
+    CHUNK = d_chunk(cfg, columns)
+    STRIDE = CHUNK * cfg.threads_x
+
+    def d_column(tx, e):
+        return (e // CHUNK) * STRIDE + tx * CHUNK + e % CHUNK
+
+    return device_function(d_column)
+
+
+def d_chunk(cfg: TileConfig, columns: int | None = None) -> int:
+    """Width of a thread's runs of head-dim columns (see the module docstring).
+
+    ``columns``: how many columns each thread owns (default ``head_dim_pad / threads_x``).
+    """
+    columns = cfg.head_dim_pad // cfg.threads_x if columns is None else columns
+    return min(16 // cfg.acc_itemsize, columns) if cfg.interleave else columns
 
 
 def make_loader(input_kind: str, acc_kind: str):
@@ -150,7 +233,8 @@ def make_tile_loader(cfg: TileConfig):
     with zeros: a padded element then adds nothing to any dot product, and no
     uninitialised value (possibly NaN) can reach an output.
     """
-    THREADS_X, THREADS_Y = cfg.threads_x, cfg.threads_y
+    THREADS_X = cfg.threads_x
+    THREADS_Y = cfg.threads // THREADS_X  # every thread of the block, all groups
     D_PAD = cfg.head_dim_pad
     to_acc = make_loader(cfg.input_kind, cfg.acc_kind)
     zero = numba_type(cfg.acc_kind)(0)
@@ -279,6 +363,10 @@ __all__ = [
     "LOG2E",
     "TileConfig",
     "cuda",
+    "d_chunk",
+    "grid_shape",
+    "make_block_tile",
+    "make_d_column",
     "make_loader",
     "make_mm_nn",
     "make_mm_nt",

@@ -39,8 +39,14 @@ mistaken for the head dim.
    d. ``dV_j += Pᵀ dO_i`` and ``dK_j += dSᵀ Q_i`` (``Pᵀ`` and ``dSᵀ`` go
       through shared memory; a row of them stays within one warp);
    e. *atomic variant only:* ``dQ_i += dS K_j`` into a float32 (float64)
-      accumulator in global memory with ``atomic.add`` — many key blocks add
-      into the same ``dQ_i``, in an order that changes from run to run.
+      accumulator in global memory with atomic additions — many key blocks add
+      into the same ``dQ_i``, in an order that changes from run to run.  Where
+      a thread's dQ columns come in runs of four floats, one
+      ``red.global.add.v4.f32`` adds 16 bytes (sm_90; the accumulator's rows
+      are padded to ``D_PAD`` so that every run is aligned).
+
+   With ``groups = 2`` (see :func:`dkdv_kernel`) two thread groups split this
+   work: one computes ``Pᵀ`` and ``dV_j``, the other ``dPᵀ``, ``dSᵀ`` and ``dK_j``.
 
    Finally ``dK_j · scale`` and ``dV_j`` are written once.
 
@@ -83,6 +89,10 @@ from ._tiles import (
     INPUT_KINDS,
     LOG2E,
     TileConfig,
+    d_chunk,
+    grid_shape,
+    make_block_tile,
+    make_d_column,
     make_loader,
     make_mm_nn,
     make_mm_nt,
@@ -94,6 +104,7 @@ from ._tiles import (
     vector_width,
 )
 from ._validate import MAX_HEAD_DIM, array_module
+from .intrinsics import red_add_f32x4
 from .masking import d_key_range, d_query_range, d_row_key_end, d_tile_needs_mask
 
 # ----------------------------------------------------------------------------
@@ -245,6 +256,8 @@ def can_implement(cfg: BackwardConfig) -> tuple[bool, str]:
     for tile in (kv, cfg.dq):
         if tile.threads > 1024:
             return False, f"{tile.threads} threads per block exceed 1024"
+    if cfg.dq.groups != 1:
+        return False, f"the dQ kernels take one thread group, got groups={cfg.dq.groups}"
     return True, ""
 
 
@@ -281,7 +294,8 @@ def preprocess_kernel(cfg: TileConfig):
             if row < seqlen_q:
                 for d in range(tx, head_dim, THREADS_X):
                     part += to_acc(do[b, h, row, d]) * to_acc(o[b, h, row, d])
-                    if clear_dq:
+                if clear_dq:  # every column of the accumulator, padding included
+                    for d in range(tx, dq_accum.shape[3], THREADS_X):
                         dq_accum[b, h, row, d] = zero
             D_i = row_sum(part)  # every lane of the row takes part in the shuffles
             if tx == 0 and row < seqlen_q:
@@ -303,16 +317,31 @@ def dkdv_kernel(cfg: TileConfig, atomic_dq: bool = False):
     """The compiled dK/dV kernel (step 1) for one configuration (cached).
 
     With ``atomic_dq`` it also adds each tile's ``dS K_j`` into the dQ
-    accumulator with ``atomic.add`` (step 1e).
+    accumulator with atomic additions (step 1e).
+
+    With ``cfg.groups == 2`` the block is two copies of the thread layout
+    (``threadIdx.z``) that split the work of every query tile, so each thread
+    keeps one ``ROWS × COLS`` score tile and one ``ROWS × DCOLS`` accumulator
+    instead of two of each — room for twice the tile in the same registers::
+
+        group 0:  Sᵀ = K_j Q_iᵀ, Pᵀ → shared   |  dV_j += Pᵀ dO_i
+        group 1:  dPᵀ = V_j dO_iᵀ               |  dSᵀ = Pᵀ ∘ (dPᵀ − D_i) → shared,  dK_j += dSᵀ Q_i
+                            (barrier: Pᵀ is complete)
+
+    In step 1e each group adds its half of the head dim of ``dQ_i``.
     """
     BLOCK_M, BLOCK_N = cfg.block_m, cfg.block_n
-    THREADS_X, THREADS_Y = cfg.threads_x, cfg.threads_y
+    THREADS_X, THREADS_Y, GROUPS = cfg.threads_x, cfg.threads_y, cfg.groups
     D_PAD = cfg.head_dim_pad
     ROWS = BLOCK_N // THREADS_Y  # keys per thread: the rows of Sᵀ
     COLS = BLOCK_M // THREADS_X  # queries per thread: the columns of Sᵀ
-    DCOLS = D_PAD // THREADS_X  # dK/dV columns per thread (contiguous: tx·DCOLS + e)
-    QROWS = BLOCK_M // THREADS_Y  # dQ rows per thread (step 1e)
+    DCOLS = D_PAD // THREADS_X  # dK/dV columns per thread: d_column(tx, e)
+    QROWS = BLOCK_M // THREADS_Y  # dQ rows per thread (step 1e): ty·QROWS + r
+    DQ_SHARE = D_PAD // GROUPS  # step 1e: group g adds the dQ columns [g·DQ_SHARE, (g + 1)·DQ_SHARE)
+    DQCOLS = DQ_SHARE // THREADS_X  # ... this thread the columns g·DQ_SHARE + dq_column(tx, e)
     ATOMIC_DQ = atomic_dq
+    # Step 1e adds 16 bytes at once where a thread's dQ columns come in runs of 4 floats.
+    RED4 = cfg.acc_kind == "float32" and d_chunk(cfg, DQCOLS) % 4 == 0
     acc_t = numba_type(cfg.acc_kind)
     u64 = numba.uint64
     K_OFF, V_OFF, Q_OFF, DO_OFF, P_OFF, DS_OFF, _ = (u64(x) for x in dkdv_shared_offsets(cfg))
@@ -323,24 +352,32 @@ def dkdv_kernel(cfg: TileConfig, atomic_dq: bool = False):
 
     load_tile = make_tile_loader(cfg)
     to_out = make_storer(cfg.input_kind)
+    block_tile = make_block_tile(cfg)  # the first key tiles have the most (causal) queries: they start first
+    d_column = make_d_column(cfg)
+    dq_column = make_d_column(cfg, DQCOLS)
     # One thread's piece of each product: Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ (rows · rows over D),
     # dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i (rows of Pᵀ, dSᵀ times columns of dO_i, Q_i).
     mm_rows = make_mm_nt(ROWS, COLS, D_PAD, int(D_PITCH), VEC, cfg.acc_kind)
     mm_cols = make_mm_nn(ROWS, DCOLS, BLOCK_M, int(P_PITCH), int(D_PITCH), VEC, cfg.acc_kind)
 
-    @kernel(fastmath=cfg.acc_kind == "float32")
+    @kernel(fastmath=cfg.acc_kind == "float32", launch_bounds=(cfg.threads, cfg.min_blocks) if cfg.min_blocks else None)
     def flash_backward_dkdv(q, k, v, do, lse2, delta, dk, dv, dq_accum, qk_scale_log2, scale, causal):
         """One block: dK_j and dV_j for BLOCK_N keys of one (batch, head)."""
         seqlen_q = q.shape[2]
         seqlen_k = k.shape[2]
         head_dim = q.shape[3]
-        # The first key tiles have the most (causal) queries: they start first.
-        k_start = cuda.blockIdx.x * BLOCK_N
-        h = cuda.blockIdx.y
-        b = cuda.blockIdx.z
+        tile, h, b = block_tile()
+        k_start = tile * BLOCK_N
         tx = cuda.threadIdx.x
         ty = cuda.threadIdx.y
-        tid = ty * THREADS_X + tx
+        g = cuda.threadIdx.z  # the group (always 0 with one group)
+        tid = (g * THREADS_Y + ty) * THREADS_X + tx
+        p_role = GROUPS == 1 or g == 0  # computes Pᵀ and dV_j
+        ds_role = GROUPS == 1 or g == 1  # computes dPᵀ, dSᵀ and dK_j
+        # Operands of this thread's first product (Sᵀ = K_j Q_iᵀ, or group 1's dPᵀ = V_j dO_iᵀ)
+        # and of its first update (dV_j += Pᵀ dO_i, or group 1's dK_j += dSᵀ Q_i).
+        sk_off, sq_off = (K_OFF, Q_OFF) if p_role else (V_OFF, DO_OFF)
+        pd_off, dq_off = (P_OFF, DO_OFF) if p_role else (DS_OFF, Q_OFF)
 
         # One flat buffer holds K_j, V_j, Q_i, dO_i, Pᵀ and dSᵀ at K_OFF, V_OFF, ...
         # (indexed directly, not through slices, so that the compiler can
@@ -350,27 +387,35 @@ def dkdv_kernel(cfg: TileConfig, atomic_dq: bool = False):
         # K_j and V_j stay in shared memory; dK_j and dV_j in registers.
         load_tile(smem, K_OFF, D_PITCH, k, b, h, k_start, BLOCK_N, seqlen_k, head_dim, tid)
         load_tile(smem, V_OFF, D_PITCH, v, b, h, k_start, BLOCK_N, seqlen_k, head_dim, tid)
-        dK_j = cuda.local.array((ROWS, DCOLS), acc_t)
+        # With two groups a thread holds one accumulator and one score tile: the
+        # names below then share their registers (dV_j is dK_j, S is dP).
         dV_j = cuda.local.array((ROWS, DCOLS), acc_t)
+        dK_j = cuda.local.array((ROWS, DCOLS), acc_t) if GROUPS == 1 else dV_j
         S = cuda.local.array((ROWS, COLS), acc_t)  # Sᵀ, then Pᵀ
-        dP = cuda.local.array((ROWS, COLS), acc_t)  # dPᵀ
-        k_e = cuda.local.array(DCOLS, acc_t)  # a row of K_j (step 1e)
+        dP = cuda.local.array((ROWS, COLS), acc_t) if GROUPS == 1 else S  # dPᵀ
         lse2_i = cuda.local.array(COLS, acc_t)  # of this thread's query columns
         D_i = cuda.local.array(COLS, acc_t)
         key_end = cuda.local.array(COLS, numba.int64)  # column c sees keys [0, key_end[c])
-        dQ_part = cuda.local.array((QROWS, DCOLS), acc_t)
-        ds_m = cuda.local.array(QROWS, acc_t)
+        dQ_part = cuda.local.array((QROWS, DQCOLS), acc_t)
+        ds_m = cuda.local.array(QROWS, acc_t)  # a column of dSᵀ (step 1e)
+        k_e = cuda.local.array(DQCOLS, acc_t)  # a row of K_j (step 1e)
         # This thread's rows and columns as unsigned shared-memory indices:
         # Numba adds a negative-index wraparound to every signed index.
         key_row = cuda.local.array(ROWS, u64)  # key ty + THREADS_Y·r: a row of K_j, V_j, Pᵀ, dSᵀ
         query_row = cuda.local.array(COLS, u64)  # query tx + THREADS_X·c: a row of Q_i, dO_i
-        d_col = cuda.local.array(DCOLS, u64)  # column tx·DCOLS + e of Q_i, dO_i, dK_j, dV_j
+        d_col = cuda.local.array(DCOLS, u64)  # column d_column(tx, e) of Q_i, dO_i, dK_j, dV_j
+        dq_row = cuda.local.array(QROWS, u64)  # step 1e: query ty·QROWS + r
+        dq_col = cuda.local.array(DQCOLS, u64)  # step 1e: column g·DQ_SHARE + dq_column(tx, e) of K_j, dQ_i
         for r in range(ROWS):
             key_row[r] = u64(ty + THREADS_Y * r)
         for c in range(COLS):
             query_row[c] = u64(tx + THREADS_X * c)
         for e in range(DCOLS):
-            d_col[e] = u64(tx * DCOLS + e)
+            d_col[e] = u64(d_column(tx, e))
+        for r in range(QROWS):
+            dq_row[r] = u64(ty * QROWS + r)
+        for e in range(DQCOLS):
+            dq_col[e] = u64(g * DQ_SHARE + dq_column(tx, e))
         zero = acc_t(0)
         inf = acc_t(math.inf)
         scale_log2 = acc_t(qk_scale_log2)
@@ -392,57 +437,77 @@ def dkdv_kernel(cfg: TileConfig, atomic_dq: bool = False):
                 D_i[c] = delta[b, h, col] if col < seqlen_q else zero
             cuda.syncthreads()  # Q_i, dO_i (and, the first time, K_j, V_j) are complete before anyone reads them
 
-            # Step 1b: Sᵀ = K_j Q_iᵀ, this thread's ROWS × COLS piece ...
+            # Step 1b: Sᵀ = K_j Q_iᵀ, this thread's ROWS × COLS piece (step 1c's dPᵀ = V_j dO_iᵀ with two
+            # groups: group 1 computes it here, into the same registers, in the same instructions).
             for r in range(ROWS):
                 for c in range(COLS):
                     S[r, c] = zero
-                    dP[r, c] = zero
-            mm_rows(S, smem, K_OFF, key_row, Q_OFF, query_row)
-            # ... and Pᵀ = exp2(Sᵀ · scale · log2 e − lse2_i), 0 where the pair is invisible.
-            masked = d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal)
-            for r in range(ROWS):
-                key = k_start + ty + THREADS_Y * r
-                for c in range(COLS):
-                    p = math.exp2(S[r, c] * scale_log2 - lse2_i[c])
-                    if masked and key >= key_end[c]:
-                        p = zero  # past a ragged end, or above the causal diagonal
-                    S[r, c] = p
-                    smem[P_OFF + key_row[r] * P_PITCH + query_row[c]] = p
+            mm_rows(S, smem, sk_off, key_row, sq_off, query_row)
+            if p_role:
+                # ... Pᵀ = exp2(Sᵀ · scale · log2 e − lse2_i) ...
+                for r in range(ROWS):
+                    for c in range(COLS):
+                        S[r, c] = math.exp2(S[r, c] * scale_log2 - lse2_i[c])
+                # ... 0 where the pair is invisible (only tiles on the diagonal or a ragged end pay for this).
+                if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
+                    for r in range(ROWS):
+                        key = k_start + ty + THREADS_Y * r
+                        for c in range(COLS):
+                            if key >= key_end[c]:
+                                S[r, c] = zero  # past a ragged end, or above the causal diagonal
+                for r in range(ROWS):
+                    for c in range(COLS):
+                        smem[P_OFF + key_row[r] * P_PITCH + query_row[c]] = S[r, c]
 
-            # Step 1c: dPᵀ = V_j dO_iᵀ, and dSᵀ = Pᵀ ∘ (dPᵀ − D_i).
-            mm_rows(dP, smem, V_OFF, key_row, DO_OFF, query_row)
-            for r in range(ROWS):
-                for c in range(COLS):
-                    smem[DS_OFF + key_row[r] * P_PITCH + query_row[c]] = S[r, c] * (dP[r, c] - D_i[c])
+            # Step 1c: dPᵀ = V_j dO_iᵀ (one group), and dSᵀ = Pᵀ ∘ (dPᵀ − D_i).
+            if GROUPS == 1:
+                for r in range(ROWS):
+                    for c in range(COLS):
+                        dP[r, c] = zero
+                mm_rows(dP, smem, V_OFF, key_row, DO_OFF, query_row)
+            else:
+                cuda.syncthreads()  # Pᵀ, written by group 0, is complete
+            if ds_role:
+                for r in range(ROWS):
+                    for c in range(COLS):
+                        p = S[r, c] if GROUPS == 1 else smem[P_OFF + key_row[r] * P_PITCH + query_row[c]]
+                        smem[DS_OFF + key_row[r] * P_PITCH + query_row[c]] = p * (dP[r, c] - D_i[c])
             if ATOMIC_DQ:
                 cuda.syncthreads()  # step 1e reads whole columns of dSᵀ, written by every warp
             else:
                 syncwarp()  # a row of Pᵀ and of dSᵀ is written and read by the lanes of one warp
 
-            # Step 1d: dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i.
-            mm_cols(dV_j, smem, P_OFF, key_row, DO_OFF, d_col)
-            mm_cols(dK_j, smem, DS_OFF, key_row, Q_OFF, d_col)
+            # Step 1d: dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i (with two groups: group 0 the first,
+            # group 1 the second, in the same instructions).
+            mm_cols(dV_j, smem, pd_off, key_row, dq_off, d_col)
+            if GROUPS == 1:
+                mm_cols(dK_j, smem, DS_OFF, key_row, Q_OFF, d_col)
 
             if ATOMIC_DQ:
-                # Step 1e: dQ_i += dS K_j; here a thread owns query rows ty + THREADS_Y·r.
+                # Step 1e: dQ_i += dS K_j; here a thread owns query rows ty·QROWS + r and
+                # (with two groups) columns in its group's half of the head dim.
                 for r in range(QROWS):
-                    for e in range(DCOLS):
+                    for e in range(DQCOLS):
                         dQ_part[r, e] = zero
                 for n in range(BLOCK_N_U):
                     for r in range(QROWS):
-                        ds_m[r] = smem[DS_OFF + n * P_PITCH + u64(ty + THREADS_Y * r)]
-                    for e in range(DCOLS):
-                        k_e[e] = smem[K_OFF + n * D_PITCH + d_col[e]]
+                        ds_m[r] = smem[DS_OFF + n * P_PITCH + dq_row[r]]
+                    for e in range(DQCOLS):
+                        k_e[e] = smem[K_OFF + n * D_PITCH + dq_col[e]]
                     for r in range(QROWS):
-                        for e in range(DCOLS):
+                        for e in range(DQCOLS):
                             dQ_part[r, e] += ds_m[r] * k_e[e]
+                # The accumulator has D_PAD columns: padded ones only ever receive zeros.
                 for r in range(QROWS):
-                    row = q_start + ty + THREADS_Y * r
+                    row = q_start + ty * QROWS + r
                     if row < seqlen_q:
-                        for e in range(DCOLS):
-                            d = tx * DCOLS + e
-                            if d < head_dim:
-                                cuda.atomic.add(dq_accum, (b, h, row, d), dQ_part[r, e])
+                        if RED4:
+                            for e in range(0, DQCOLS, 4):
+                                red_add_f32x4(dq_accum, (b, h, row, dq_col[e]), dQ_part[r, e], dQ_part[r, e + 1],
+                                              dQ_part[r, e + 2], dQ_part[r, e + 3])
+                        else:
+                            for e in range(DQCOLS):
+                                cuda.atomic.add(dq_accum, (b, h, row, dq_col[e]), dQ_part[r, e])
             cuda.syncthreads()  # everyone is done with Q_i, dO_i, Pᵀ and dSᵀ before the next load
 
         # dK_j · scale and dV_j, written once.
@@ -451,10 +516,12 @@ def dkdv_kernel(cfg: TileConfig, atomic_dq: bool = False):
             key = k_start + ty + THREADS_Y * r
             if key < seqlen_k:
                 for e in range(DCOLS):
-                    d = tx * DCOLS + e
+                    d = d_column(tx, e)
                     if d < head_dim:
-                        dk[b, h, key, d] = to_out(dK_j[r, e] * sc)
-                        dv[b, h, key, d] = to_out(dV_j[r, e])
+                        if ds_role:
+                            dk[b, h, key, d] = to_out(dK_j[r, e] * sc)
+                        if p_role:
+                            dv[b, h, key, d] = to_out(dV_j[r, e])
 
     return flash_backward_dkdv
 
@@ -472,7 +539,7 @@ def dq_kernel(cfg: TileConfig):
     D_PAD = cfg.head_dim_pad
     ROWS = BLOCK_M // THREADS_Y  # query rows per thread
     COLS = BLOCK_N // THREADS_X  # keys per thread in S
-    DCOLS = D_PAD // THREADS_X  # dQ columns per thread (contiguous: tx·DCOLS + e)
+    DCOLS = D_PAD // THREADS_X  # dQ columns per thread: d_column(tx, e)
     acc_t = numba_type(cfg.acc_kind)
     u64 = numba.uint64
     Q_OFF, DO_OFF, K_OFF, V_OFF, DS_OFF, _ = (u64(x) for x in dq_shared_offsets(cfg))
@@ -482,20 +549,20 @@ def dq_kernel(cfg: TileConfig):
 
     load_tile = make_tile_loader(cfg)
     to_out = make_storer(cfg.input_kind)
+    block_tile = make_block_tile(cfg, reverse=True)  # the last query tiles have the most (causal) keys
+    d_column = make_d_column(cfg)
     # One thread's piece of each product: S = Q_i K_jᵀ and dP = dO_i V_jᵀ, then dQ_i += dS K_j.
     mm_rows = make_mm_nt(ROWS, COLS, D_PAD, int(D_PITCH), VEC, cfg.acc_kind)
     mm_cols = make_mm_nn(ROWS, DCOLS, BLOCK_N, int(DS_PITCH), int(D_PITCH), VEC, cfg.acc_kind)
 
-    @kernel(fastmath=cfg.acc_kind == "float32")
+    @kernel(fastmath=cfg.acc_kind == "float32", launch_bounds=(cfg.threads, cfg.min_blocks) if cfg.min_blocks else None)
     def flash_backward_dq(q, k, v, do, lse2, delta, dq, qk_scale_log2, scale, causal):
         """One block: dQ_i for BLOCK_M queries of one (batch, head)."""
         seqlen_q = q.shape[2]
         seqlen_k = k.shape[2]
         head_dim = q.shape[3]
-        # Longest causal rows first: the last query tiles have the most keys.
-        q_start = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BLOCK_M
-        h = cuda.blockIdx.y
-        b = cuda.blockIdx.z
+        tile, h, b = block_tile()
+        q_start = tile * BLOCK_M
         tx = cuda.threadIdx.x
         ty = cuda.threadIdx.y
         tid = ty * THREADS_X + tx
@@ -514,11 +581,11 @@ def dq_kernel(cfg: TileConfig):
         key_end = cuda.local.array(ROWS, numba.int64)  # row r sees keys [0, key_end[r])
         query_row = cuda.local.array(ROWS, u64)  # query ty + THREADS_Y·r: a row of Q_i, dO_i, dS
         key_row = cuda.local.array(COLS, u64)  # key tx + THREADS_X·c: a row of K_j, V_j
-        d_col = cuda.local.array(DCOLS, u64)  # column tx·DCOLS + e of K_j and dQ_i
+        d_col = cuda.local.array(DCOLS, u64)  # column d_column(tx, e) of K_j and dQ_i
         for c in range(COLS):
             key_row[c] = u64(tx + THREADS_X * c)
         for e in range(DCOLS):
-            d_col[e] = u64(tx * DCOLS + e)
+            d_col[e] = u64(d_column(tx, e))
         zero = acc_t(0)
         inf = acc_t(math.inf)
         scale_log2 = acc_t(qk_scale_log2)
@@ -545,14 +612,16 @@ def dq_kernel(cfg: TileConfig):
                     S[r, c] = zero
                     dP[r, c] = zero
             mm_rows(S, smem, Q_OFF, query_row, K_OFF, key_row)
-            # ... and P = exp2(S · scale · log2 e − lse2_i), 0 where the pair is invisible.
-            masked = d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal)
+            # ... P = exp2(S · scale · log2 e − lse2_i) ...
             for r in range(ROWS):
                 for c in range(COLS):
-                    p = math.exp2(S[r, c] * scale_log2 - lse2_i[r])
-                    if masked and k_start + tx + THREADS_X * c >= key_end[r]:
-                        p = zero  # past a ragged end, or above the causal diagonal
-                    S[r, c] = p
+                    S[r, c] = math.exp2(S[r, c] * scale_log2 - lse2_i[r])
+            # ... 0 where the pair is invisible (only tiles on the diagonal or a ragged end pay for this).
+            if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
+                for r in range(ROWS):
+                    for c in range(COLS):
+                        if k_start + tx + THREADS_X * c >= key_end[r]:
+                            S[r, c] = zero  # past a ragged end, or above the causal diagonal
 
             # dP = dO_i V_jᵀ, and dS = P ∘ (dP − D_i).
             mm_rows(dP, smem, DO_OFF, query_row, V_OFF, key_row)
@@ -571,7 +640,7 @@ def dq_kernel(cfg: TileConfig):
             row = q_start + ty + THREADS_Y * r
             if row < seqlen_q:
                 for e in range(DCOLS):
-                    d = tx * DCOLS + e
+                    d = d_column(tx, e)
                     if d < head_dim:
                         dq[b, h, row, d] = to_out(dQ_i[r, e] * sc)
 
@@ -647,14 +716,15 @@ def launch_backward(
     lse2 = empty((batch, heads, seqlen_q), acc_dtype)
     if deterministic:
         dq_accum = empty((1, 1, 1, 1), acc_dtype)  # unused
-    else:
-        dq_accum = empty((batch, heads, seqlen_q, head_dim), acc_dtype)  # cleared by step 0
+    else:  # rows of head_dim_pad columns, so that step 1e may add 16-byte runs (cleared by step 0)
+        dq_accum = empty((batch, heads, seqlen_q, cfg.dkdv.head_dim_pad), acc_dtype)
     qk_scale_log2 = float(scale * LOG2E)
-    q_grid = (-(-seqlen_q // cfg.dq.block_m), heads, batch)
-    k_grid = (-(-seqlen_k // cfg.dkdv.block_n), heads, batch)
-
     kv, dq_cfg = cfg.dkdv, cfg.dq
-    kv_block, q_block = (kv.threads_x, kv.threads_y, 1), (dq_cfg.threads_x, dq_cfg.threads_y, 1)
+    q_tiles = -(-seqlen_q // dq_cfg.block_m)
+    q_grid = (q_tiles, heads, batch)  # steps 0 and 2'
+    dq_grid = grid_shape(dq_cfg, q_tiles, heads, batch)  # step 2
+    k_grid = grid_shape(kv, -(-seqlen_k // kv.block_n), heads, batch)
+    kv_block, q_block = (kv.threads_x, kv.threads_y, kv.groups), (dq_cfg.threads_x, dq_cfg.threads_y, 1)
     sc = float(scale)
     launch(preprocess_kernel(dq_cfg), q_grid, q_block, stream, 0, o, do, lse, delta, lse2, dq_accum, not deterministic)
     launch(
@@ -668,7 +738,7 @@ def launch_backward(
     if deterministic:
         launch(
             dq_kernel(dq_cfg),
-            q_grid,
+            dq_grid,
             q_block,
             stream,
             dq_shared_bytes(dq_cfg),

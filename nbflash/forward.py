@@ -7,7 +7,10 @@ the ``bshd`` layout reaches it as a strided view, never a copy)::
     o   (B, H, N_q, D)      lse   (B, H, N_q)        lse_i = log sum_j exp(S_ij)
 
 Grid: one block per (query tile, head, batch) — FlashAttention-2's parallelism
-over the sequence.  Each block computes ``O_i`` for ``BLOCK_M`` queries:
+over the sequence; the last query tiles (the longest causal rows) start first,
+and with ``longest_first`` those of every head before any shorter tile
+(:func:`nbflash._tiles.grid_shape`).  Each block computes ``O_i`` for
+``BLOCK_M`` queries:
 
 1. Load ``Q_i`` into shared memory; it stays there for the whole loop.  Set the
    running max ``m_i = -inf``, running sum ``l_i = 0`` and accumulator
@@ -17,7 +20,8 @@ over the sequence.  Each block computes ``O_i`` for ``BLOCK_M`` queries:
 
    a. load ``K_j`` and ``V_j`` into shared memory;
    b. ``S = Q_i K_jᵀ · scale`` in registers, each thread a ``ROWS × COLS``
-      piece; invisible pairs (ragged end, causal diagonal) get ``-inf``;
+      piece; invisible pairs (ragged end, causal diagonal) get ``-inf`` — only
+      tiles that straddle the diagonal or a ragged end run this test;
    c. online softmax: ``m_new = max(m_i, rowmax(S))``,
       ``P = exp(S - m_new)``, ``alpha = exp(m_i - m_new)``,
       ``l_i = alpha · l_i + rowsum(P)``, ``acc = alpha · acc``, ``m_i = m_new``;
@@ -52,6 +56,9 @@ from ._tiles import (
     LN2,
     LOG2E,
     TileConfig,
+    grid_shape,
+    make_block_tile,
+    make_d_column,
     make_mm_nn,
     make_mm_nt,
     make_row_reducers,
@@ -102,7 +109,7 @@ def forward_kernel(cfg: TileConfig):
     D_PAD = cfg.head_dim_pad
     ROWS = BLOCK_M // THREADS_Y  # query rows per thread
     COLS = BLOCK_N // THREADS_X  # keys per thread in S
-    DCOLS = D_PAD // THREADS_X  # output columns per thread (contiguous: tx·DCOLS + e)
+    DCOLS = D_PAD // THREADS_X  # output columns per thread: d_column(tx, e), e < DCOLS
     TRACE = cfg.trace
     acc_t = numba_type(cfg.acc_kind)
     Q_PITCH, K_PITCH, V_PITCH, P_PITCH = pitches(cfg)
@@ -120,6 +127,8 @@ def forward_kernel(cfg: TileConfig):
     mm_pv = make_mm_nn(ROWS, DCOLS, BLOCK_N, P_PITCH, V_PITCH, VEC, cfg.acc_kind)
     to_out = make_storer(cfg.input_kind)
     row_max, row_sum = make_row_reducers(THREADS_X)
+    block_tile = make_block_tile(cfg, reverse=True)
+    d_column = make_d_column(cfg)
 
     @kernel(fastmath=cfg.acc_kind == "float32", launch_bounds=(cfg.threads, cfg.min_blocks) if cfg.min_blocks else None)
     def flash_forward(q, k, v, o, lse, qk_scale_log2, causal, trace):
@@ -128,9 +137,8 @@ def forward_kernel(cfg: TileConfig):
         seqlen_k = k.shape[2]
         head_dim = q.shape[3]
         # Longest causal rows first: the last query tiles have the most keys.
-        q_start = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BLOCK_M
-        h = cuda.blockIdx.y
-        b = cuda.blockIdx.z
+        tile, h, b = block_tile()
+        q_start = tile * BLOCK_M
         tx = cuda.threadIdx.x
         ty = cuda.threadIdx.y
         tid = ty * THREADS_X + tx
@@ -155,17 +163,18 @@ def forward_kernel(cfg: TileConfig):
         # would cost more instructions than the FMAs it feeds).
         q_row = cuda.local.array(ROWS, u64)  # query ty + THREADS_Y·r: a row of Q_i and of P
         k_row = cuda.local.array(COLS, u64)  # key tx + THREADS_X·c: a row of K_j, a column of P
-        d_col = cuda.local.array(DCOLS, u64)  # column tx·DCOLS + e of V_j (and of O)
+        d_col = cuda.local.array(DCOLS, u64)  # column d_column(tx, e) of V_j (and of O)
         for r in range(ROWS):
             q_row[r] = u64(ty + THREADS_Y * r)
         for c in range(COLS):
             k_row[c] = u64(tx + THREADS_X * c)
         for e in range(DCOLS):
-            d_col[e] = u64(tx * DCOLS + e)
+            d_col[e] = u64(d_column(tx, e))
         zero = acc_t(0)
+        neg_inf = acc_t(NEG_INF)  # typed: a Python float would turn the softmax into float64 arithmetic
         scale_log2 = acc_t(qk_scale_log2)
         for r in range(ROWS):
-            m_i[r] = NEG_INF
+            m_i[r] = neg_inf
             l_i[r] = zero
             key_end[r] = d_row_key_end(q_start + ty + THREADS_Y * r, seqlen_q, seqlen_k, causal)
             for e in range(DCOLS):
@@ -186,19 +195,23 @@ def forward_kernel(cfg: TileConfig):
             mm_qk(S, smem, Q_OFF, q_row, K_OFF, k_row)
 
             # Step 2c: online softmax, in base 2 (scores scaled by scale·log2 e).
-            masked = d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal)
             for r in range(ROWS):
-                m_tile[r] = NEG_INF
+                m_tile[r] = neg_inf
                 for c in range(COLS):
-                    s = S[r, c] * scale_log2
-                    if masked and k_start + tx + THREADS_X * c >= key_end[r]:
-                        s = NEG_INF  # invisible: past the ragged end, or above the diagonal
-                    S[r, c] = s
-                    m_tile[r] = max(m_tile[r], s)
+                    S[r, c] *= scale_log2
+            # Only tiles that straddle the diagonal or a ragged end pay for the mask.
+            if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
+                for r in range(ROWS):
+                    for c in range(COLS):
+                        if k_start + tx + THREADS_X * c >= key_end[r]:
+                            S[r, c] = neg_inf  # invisible: past the ragged end, or above the diagonal
+            for r in range(ROWS):
+                for c in range(COLS):
+                    m_tile[r] = max(m_tile[r], S[r, c])
             for r in range(ROWS):
                 m_new = max(m_i[r], row_max(m_tile[r]))
                 # A row that has seen no key yet keeps P = 0 (and avoids -inf - -inf).
-                m_ref[r] = m_new if m_new != NEG_INF else zero
+                m_ref[r] = m_new if m_new != neg_inf else zero
                 alpha[r] = math.exp2(m_i[r] - m_ref[r])
                 m_i[r] = m_new
             for r in range(ROWS):
@@ -232,11 +245,11 @@ def forward_kernel(cfg: TileConfig):
             if row < seqlen_q:
                 inv_l = acc_t(1) / l_row if l_row > 0 else zero
                 for e in range(DCOLS):
-                    d = tx * DCOLS + e
+                    d = d_column(tx, e)
                     if d < head_dim:
                         o[b, h, row, d] = to_out(acc[r, e] * inv_l)
                 if tx == 0:
-                    lse[b, h, row] = m_i[r] * LN2 + math.log(l_row) if l_row > 0 else NEG_INF
+                    lse[b, h, row] = m_i[r] * LN2 + math.log(l_row) if l_row > 0 else neg_inf
 
     return flash_forward
 
@@ -286,6 +299,8 @@ def can_implement(cfg: TileConfig) -> tuple[bool, str]:
         return False, f"needs {need} bytes of shared memory per block, the device allows {limit}"
     if cfg.threads > 1024:
         return False, f"{cfg.threads} threads per block exceed 1024"
+    if cfg.groups != 1:
+        return False, f"the forward kernel takes one thread group, got groups={cfg.groups}"
     return True, ""
 
 
@@ -295,7 +310,7 @@ def launch_forward(cfg: TileConfig, q, k, v, o, lse, scale: float, causal: bool,
     if not ok:
         raise ValueError(f"forward configuration {cfg} cannot run: {why}")
     batch, heads, seqlen_q, _ = q.shape
-    grid = (-(-seqlen_q // cfg.block_m), heads, batch)
+    grid = grid_shape(cfg, -(-seqlen_q // cfg.block_m), heads, batch)
     block = (cfg.threads_x, cfg.threads_y, 1)
     nbytes = shared_bytes(cfg)
     if trace is None:

@@ -1,4 +1,5 @@
-"""Tensor-core building blocks: ``mma.sync``, ``ldmatrix``, ``cp.async`` and packed conversions.
+"""Tensor-core building blocks: ``mma.sync``, ``ldmatrix``, ``cp.async``, packed conversions — and one
+vector reduction to global memory for the SIMT backward.
 
 Numba has no API for the warp-level matrix instructions, so each one here is an
 ``@intrinsic`` whose code generator emits the PTX instruction as inline
@@ -27,7 +28,8 @@ bits and holds the element with the smaller PTX index (a0 of the pair a0, a1).
 
 Minimum compute capability: ``mma.m16n8k16`` (f16, bf16), ``cp.async`` and the
 ``cvt`` packs need sm_80; ``ldmatrix`` sm_75; ``ex2.approx`` and ``red.global.add.f32``
-any; the vector reduction ``red.global.add.v2.f32`` sm_90 (PTX ISA 8.1).
+any; the vector reductions ``red.global.add.v2.f32`` / ``.v4.f32`` sm_90 (PTX ISA 8.1;
+``red_add_f32x4`` falls back to four scalar ``red`` on older GPUs).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 
-from ._device import SIMULATOR, _sim_warp, cgutils, device_function, intrinsic
+from ._device import SIMULATOR, _sim_warp, cgutils, device_function, intrinsic, target_cc
 
 __all__ = [
     "a_frag_index",
@@ -65,6 +67,7 @@ __all__ = [
     "pack_f16x2",
     "red_add_f32",
     "red_add_f32x2",
+    "red_add_f32x4",
     "unpack_bf16x2",
     "unpack_f16x2",
 ]
@@ -467,6 +470,29 @@ def _sim_unpack_bf16x2(x):
 _F32_TINY = np.finfo(np.float32).tiny
 
 
+_RED_LOCK = threading.Lock()
+
+
+def _sim_red_add_f32x4(arr, index, v0, v1, v2, v3):
+    """Atomically add ``v0 … v3`` to four consecutive float32 elements of a global array; no result.
+
+    PTX: ``red.global.add.v4.f32 [a], {v0, v1, v2, v3}`` on sm_90 (one request
+    for 16 bytes), four ``red.global.add.f32`` before.  ``arr[index]`` is the
+    first element (``index`` a tuple of non-negative integers); the four run
+    along the contiguous last axis and must be 16-byte aligned.  Each element's
+    addition is atomic, the four together are not.  Unlike ``cuda.atomic.add``
+    on a generic pointer, the address is known to be global: no test for a
+    shared-memory address around each addition.
+    """
+    offset = sum(int(i) * int(st) for i, st in zip(index, arr.strides, strict=True))
+    if offset % 16:
+        raise ValueError(f"red.v4 address {index} (byte offset {offset}) is not 16-byte aligned")
+    *lead, last = index
+    with _RED_LOCK:  # simulated threads are Python threads: each read-modify-write under the lock
+        for i, value in enumerate((v0, v1, v2, v3)):
+            arr[(*lead, last + i)] += np.float32(value)
+
+
 def _sim_ex2_approx(x):
     """2**x in float32 by the special-function unit, subnormals flushed to zero.
 
@@ -851,6 +877,29 @@ def _gpu_red_add_f32x2(typingctx, address, x, y):
     return sig, codegen
 
 
+@intrinsic
+def _gpu_red_add_f32x4(typingctx, arr, index, v0, v1, v2, v3):
+    if not (isinstance(arr, types.Array) and arr.dtype == types.float32 and _is_number(v0, v1, v2, v3)):
+        return None
+    if not (isinstance(index, types.BaseTuple) and _is_int(*index) and len(index) == arr.ndim):
+        return None
+    sig = types.void(arr, index, v0, v1, v2, v3)
+
+    def codegen(context, builder, sig, args):
+        addr = _global_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        vals = _cast_all(context, builder, args[2:], sig.args[2:], types.float32)
+        if target_cc() >= (9, 0):
+            _asm(builder, ir.VoidType(), [_I64] + [_F32] * 4, "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};",
+                 "l,f,f,f,f,~{memory}", [addr, *vals], side_effect=True)
+        else:
+            for i, v in enumerate(vals):
+                _asm(builder, ir.VoidType(), [_I64, _F32], f"red.global.add.f32 [$0+{4 * i}], $1;",
+                     "l,f,~{memory}", [addr, v], side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 # ----------------------------------------------------------------------------
 # The public names: one implementation or the other
 # ----------------------------------------------------------------------------
@@ -878,3 +927,4 @@ ex2_approx = _public(_sim_ex2_approx, lambda: _gpu_ex2_approx)
 global_address = _public(_sim_global_address, lambda: _gpu_global_address)
 red_add_f32 = _public(_sim_red_add_f32, lambda: _gpu_red_add_f32)
 red_add_f32x2 = _public(_sim_red_add_f32x2, lambda: _gpu_red_add_f32x2)
+red_add_f32x4 = _public(_sim_red_add_f32x4, lambda: _gpu_red_add_f32x4)

@@ -239,6 +239,32 @@ def test_blocks_of_several_warps(rng, xp, deterministic):
         assert _max_err(_host(g), want) <= 1e-10 * (1 + np.abs(want).max())
 
 
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+@pytest.mark.parametrize("groups,interleave", [(2, False), (1, True), (2, True)], ids=["groups2", "interleave", "both"])
+def test_split_groups_and_interleaved_columns(rng, xp, deterministic, groups, interleave):
+    """Two thread groups splitting the dK/dV work (group 0: P, dV; group 1: dP, dS, dK; each half of
+    dQ's columns in step 1e), head-dim columns in 16-byte runs, and every head's longest tile first."""
+    Nq, Nk, D = 19, 23, 29  # D_PAD = 32: group halves of 16 columns, 16-byte runs of a lane at 4tx and 16 + 4tx
+    kv = TileConfig(8, 8, 32, 4, 2, "float32", groups=groups, interleave=interleave, longest_first=True)
+    cfg = bw.BackwardConfig(dkdv=kv, dq=TileConfig(8, 8, 32, 4, 2, "float32", interleave=interleave,
+                                                   longest_first=True))
+    do, q, k, v, o, lse = _inputs(rng, xp, 2, 1, Nq, Nk, D, np.float32, causal=True)
+    dq, dk, dv = (xp.full(x.shape, np.nan, np.float32) for x in (q, k, v))
+    bw.launch_backward(cfg, q, k, v, o, do, lse, dq, dk, dv, 1 / math.sqrt(D), True, deterministic=deterministic)
+    ref = _reference(do, q, k, v, causal=True)
+    for name, g, want in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, strict=True):
+        assert _max_err(_host(g), want) <= 2e-5 * (1 + np.abs(want).max()), name
+
+
+def test_tile_config_rejects_columns_that_do_not_split():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        TileConfig(8, 8, 12, 4, 2, "float32", groups=2)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        TileConfig(8, 8, 24, 4, 2, "float32", interleave=True)
+    with pytest.raises(ValueError, match="groups must be 1 or 2"):
+        TileConfig(8, 8, 8, 4, 2, "float32", groups=3)
+
+
 def test_head_dim_256(rng, xp):
     do, q, k, v, o, lse = _inputs(rng, xp, 1, 1, 3, 5, 256, np.float64, causal=True, scale=0.3)
     got = nbflash.attention_backward(do, q, k, v, o, lse, causal=True, scale=0.3)

@@ -165,6 +165,20 @@ def test_other_tile_configs(xp, rng, cfg):
         np.testing.assert_allclose(_host(o), ref, atol=TOL[dt])
 
 
+@pytest.mark.parametrize("longest_first", [False, True])
+def test_interleaved_columns_and_grid_order(xp, rng, longest_first):
+    """Head-dim columns in 16-byte runs (lane tx: 4tx..4tx+3 and 16+4tx..16+4tx+3), either grid order."""
+    cfg = TileConfig(8, 8, 32, 4, 2, "float32", interleave=True, longest_first=longest_first)
+    q, k, v = make_qkv(rng, 2, 3, 21, 19, 29)
+    for causal in (False, True):
+        o = xp.full(q.shape, np.nan, np.float32)
+        lse = xp.full(q.shape[:3], np.nan, np.float32)
+        launch_forward(cfg, xp.asarray(q), xp.asarray(k), xp.asarray(v), o, lse, 1 / math.sqrt(29), causal)
+        ref, ref_lse = attention_ref(q, k, v, causal=causal)
+        np.testing.assert_allclose(_host(o), ref, atol=TOL[np.float32])
+        np.testing.assert_allclose(_host(lse), ref_lse, atol=TOL[np.float32])
+
+
 def test_gpu_configuration_in_simulator(xp, rng):
     """The configuration the GPU uses for D = 64 (256 threads, 128 × 64 tiles), run once in the simulator."""
     cfg = choose_config(64, "float32", simulator=False)

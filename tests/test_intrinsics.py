@@ -495,6 +495,31 @@ def test_red_add_rejects_misaligned_or_outside_addresses():
     with pytest.raises(IndexError, match="not an element"):
         outside[1, 1](acc)
     assert not acc.any()
+# red.global.add.v4.f32: four float32 additions to global memory, each atomic
+# ----------------------------------------------------------------------------
+
+
+@functools.cache
+def red4_kernel():
+    @kernel
+    def red(acc, vals):
+        # Lane l adds its four values to row l % 2, columns 4·((l // 2) % 4) … + 3: four lanes share each run.
+        lane = cuda.threadIdx.x
+        I.red_add_f32x4(acc, (lane % 2, 4 * ((lane // 2) % 4)), vals[lane, 0], vals[lane, 1], vals[lane, 2],
+                        vals[lane, 3])
+
+    return red
+
+
+def test_red_add_f32x4_adds_every_lane(rng):
+    vals = rng.integers(-8, 8, size=(32, 4)).astype(np.float32)  # small integers: sums exact in any order
+    acc = np.ones((2, 16), np.float32)
+    red4_kernel()[1, 32](acc, vals)
+    want = np.ones((2, 16), np.float32)
+    for lane in range(32):
+        col = 4 * ((lane // 2) % 4)
+        want[lane % 2, col:col + 4] += vals[lane]
+    np.testing.assert_array_equal(acc, want)
 
 
 # ----------------------------------------------------------------------------
@@ -531,6 +556,7 @@ def compile_targets():
     red_sig = (arr(f32, 4, "A"), i64, i64, arr(f32, 3))
     out.append(("red_scalar", red_kernel(False), red_sig, ["red.global.add.f32", "cvta.to.global"]))
     out.append(("red_v2", red_kernel(True), red_sig, ["red.global.add.v2.f32"]))
+    out.append(("red_v4", red4_kernel(), (arr(f32, 2), arr(f32, 2)), ["red.global.add"]))  # .v4.f32 on sm_90
     return out
 
 
@@ -547,6 +573,7 @@ SASS = {
     "convert": ["F2FP.F16.F32.PACK_AB", "F2FP.BF16.F32.PACK_AB", "MUFU.EX2"],
     "red_scalar": ["REDG.E.ADD.F32.FTZ.RN"],  # a global reduction: no ATOM, no generic-address (QSPC) fallback
     "red_v2": ["REDG.E.ADD.F32x2.FTZ.RN"],
+    "red_v4": ["REDG.E.ADD"],  # REDG.E.ADD.F32x4 on sm_90
 }
 FORBIDDEN_SASS = {"red_scalar": ["ATOM", "QSPC"], "red_v2": ["ATOM", "QSPC"]}
 
