@@ -80,17 +80,18 @@ different banks::
             K_j, V_j     2 × 2 buffers × BLOCK_M × (D + 8)
 
     D=64 (64 × 64 tiles):           dK/dV 56 320 bytes (atomic 65 536), dQ 55 296
-    D=128 (64 keys × 32 queries):   dK/dV 70 144 bytes (atomic 75 264), dQ 69 632
+    D=128 (64 × 64 tiles):          dK/dV 105 472 bytes (atomic 114 688), dQ 104 448
+    D=128 (64 keys × 32 queries, where a block gets less than that): 70 144 (75 264), 69 632
 
 Status: correct in the Numba simulator (tests/test_backward_tc.py) and
-compiles for sm_80/sm_90 with no local memory and no spills; ptxas (sm_90)
-reports 219 (D=64) / 217 (D=128) registers for dK/dV, 223 / 218 with atomic
-dQ, and 167 / 226 for dQ.  On the H200 (figures measured before that register
-work, when the kernels used 225-255 / 166-238 registers), checked against
-float64 (flash-attn rule) and timed next to SDPA's flash backward
-(``benchmarks/tc_backward.py``, ``docs/performance.md``): with deterministic dQ
-142–186 TFLOP/s at D = 64 and 127–158 at D = 128 (0.52–0.82× FlashAttention-2);
-the atomic dQ route is slower (98–126).  :func:`nbflash.attention_backward`
+compiles for sm_80/sm_90 with no local memory and no spills.  The H200 run
+that picked the tiles (``benchmarks/tc_backward.py --configs``, bf16, 786f6ad;
+registers as Numba reports them on the GPU) measured 64 × 64 tiles with K/V
+re-read at 166 (D=64) / 244 (D=128) registers for dK/dV and 131–198 TFLOP/s
+with deterministic dQ (0.69–0.86× FlashAttention-2 at D = 64, 0.63–0.77× at
+D = 128).  The atomic dQ route (``red.global.add.v2.f32`` on sm_90) measured
+within a few per cent of it, faster on some shapes and slower on others, so
+the deterministic route stays the default.  :func:`nbflash.attention_backward`
 runs it for float16/bfloat16 (``backend=``).
 """
 
@@ -726,28 +727,39 @@ def dq_tc_kernel(cfg: TCBackwardConfig):
 
 
 def choose_config(
-    head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR, cc: tuple[int, int] | None = None
+    head_dim: int,
+    input_kind: str,
+    *,
+    simulator: bool = SIMULATOR,
+    cc: tuple[int, int] | None = None,
+    max_shared: int | None = None,
 ) -> TCBackwardConfig:
     """The configuration for a head dim (a multiple of 16 up to 128): 4 warps, 64 stationary rows.
 
-    Not tuned by a sweep yet (the H200 figures in docs/performance.md are for these tiles);
-    ``benchmarks/tc_backward.py --configs`` checks and times other tiles against these.
+    Chosen by the H200 tile sweep (``benchmarks/tc_backward.py --configs``,
+    ``benchmarks/results/tc-backward-NVIDIA-H200-2026-11-30-tiles.json``; bf16, N = 1k/4k/16k,
+    causal and not, geometric mean of TFLOP/s, deterministic dQ):
 
-    ================  ===================================  ==========================================
-    head dim          dK/dV: keys × queries per tile        registers per warp row (fp32 values)
-    ================  ===================================  ==========================================
-    ≤ 64              64 × 64, K/V fragments in registers   dK, dV 64 + Sᵀ, dPᵀ 64 + K, V 32  (D = 64)
-    ≤ 128             64 × 32, K/V re-read by ldmatrix      dK, dV 128 + Sᵀ, dPᵀ 32           (D = 128)
-    ================  ===================================  ==========================================
+    ================  ==============================  =======================================
+    head dim          dK/dV: keys × queries per tile   measured (geomean TFLOP/s)
+    ================  ==============================  =======================================
+    ≤ 64              64 × 64, K/V re-read by ldmatrix 176 (64 × 64 with K/V in registers: 165)
+    ≤ 128             64 × 64, K/V re-read by ldmatrix 173 (64 keys × 32 queries: 142)
+    ================  ==============================  =======================================
 
-    At D = 128 the K and V fragments would take 64 more registers per thread
-    and spill, so they are re-read from shared memory at every k-step (one
-    ``ldmatrix`` per ``BLOCK_M / 16`` of the B operand); so every kernel
-    compiles with no spill (ptxas, sm_80/sm_90).  The deterministic dQ
-    kernel uses the same numbers with the roles swapped (64 queries × 64 or 32
-    keys).  In the simulator: 2 warps (32 keys) and 16-query tiles, so that
-    short sequences cross tile edges with few Python threads; D = 32 there
-    takes the ldmatrix path, other head dims the register path.
+    Keeping the warp's K and V fragments in registers frees the ``ldmatrix``
+    of the B operand but costs 53 registers (219 against 166 at D = 64): two
+    blocks per multiprocessor become one plus, and the sweep measured it 6 %
+    slower.  FlashAttention-2's own shapes (8 warps, 128 keys: 128 × 128 at
+    D = 64, 64 × 128 at D = 128) measured within 2 % of these on the atomic
+    route and slower on the deterministic one.  At D = 128 the 64 × 64 tiles
+    need 105 KB of shared memory (115 KB for the atomic route); a GPU that allows less per block
+    (``max_shared``, default the current device's) gets 64 keys × 32 queries (70 / 75 KB).
+    The deterministic dQ kernel uses the same numbers with the roles swapped.
+
+    In the simulator: 2 warps (32 keys) and 16-query tiles, so that short
+    sequences cross tile edges with few Python threads; D = 32 there takes the
+    ldmatrix path, other head dims the register path.
 
     ``cc``: the compute capability to compile for (default: the current
     device's; None in the simulator).  On sm_90 and newer the atomic dQ adds
@@ -756,11 +768,15 @@ def choose_config(
     """
     if cc is None and not simulator:
         cc = compute_capability()
-    return _choose_config(head_dim, input_kind, simulator, None if cc is None else tuple(cc))
+    if max_shared is None and not simulator:
+        max_shared = max_shared_per_block()
+    return _choose_config(head_dim, input_kind, simulator, None if cc is None else tuple(cc), max_shared)
 
 
 @functools.cache
-def _choose_config(head_dim: int, input_kind: str, simulator: bool, cc: tuple[int, int] | None) -> TCBackwardConfig:
+def _choose_config(
+    head_dim: int, input_kind: str, simulator: bool, cc: tuple[int, int] | None, max_shared: int | None
+) -> TCBackwardConfig:
     vector_red = cc is not None and cc >= (9, 0)
     if simulator:
         return TCBackwardConfig(16, 32, head_dim, input_kind, kv_in_registers=head_dim != 32, vector_red=vector_red)
@@ -768,9 +784,10 @@ def _choose_config(head_dim: int, input_kind: str, simulator: bool, cc: tuple[in
         raise ValueError(
             f"the tensor-core backward supports head dims that are multiples of 16 up to 128, got {head_dim}"
         )
-    if head_dim <= 64:
-        return TCBackwardConfig(64, 64, head_dim, input_kind, kv_in_registers=True, vector_red=vector_red)
-    return TCBackwardConfig(32, 64, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red)
+    cfg = TCBackwardConfig(64, 64, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red)
+    if max_shared is not None and max(shared_bytes(cfg, name) for name in KERNELS) > max_shared:
+        cfg = TCBackwardConfig(32, 64, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red)
+    return cfg
 
 
 def can_implement(cfg: TCBackwardConfig, *arrays) -> tuple[bool, str]:
@@ -907,7 +924,9 @@ def compile_targets(cc: tuple[int, int] = (9, 0)):
     Steps 0 and 2' are the SIMT kernels of :mod:`nbflash.backward`, covered by its own compile targets.
     """
     cfgs = [
-        choose_config(d, kind, simulator=False, cc=cc) for d in (32, 64, 96, 128) for kind in ("float16", "bfloat16")
+        choose_config(d, kind, simulator=False, cc=cc, max_shared=227 * 1024)  # Hopper's limit: the largest tiles
+        for d in (32, 64, 96, 128)
+        for kind in ("float16", "bfloat16")
     ]
     return [
         (f"flash_backward_{name}_tc", cfg, _kernel(cfg, name), kernel_signature(cfg, name), True)

@@ -182,7 +182,7 @@ def test_deterministic_variant_is_bitwise_repeatable(xp, rng):
 @pytest.mark.skipif(SIMULATOR and not os.environ.get("NBFLASH_SLOW"), reason="minutes in the simulator: NBFLASH_SLOW=1")
 @pytest.mark.parametrize("d", [64, 128])
 def test_backward_tc_gpu_configuration(xp, rng, d):
-    """The tiles the GPU would use (4 warps; 64 keys × 64 or 32 queries), at a size that crosses them."""
+    """The tiles the GPU would use (4 warps; 64 keys × 64 queries), at a size that crosses them."""
     cfg = T.choose_config(d, "float16", simulator=False)
     got, values, scale = run_backward(xp, rng, 70, 69, d, "float16", True, False, heads=1, cfg=cfg)
     check_against_reference(got, values, scale, True, "float16")
@@ -221,7 +221,14 @@ def test_config_and_can_implement():
     # The shared-memory budgets written in the module docstring.
     d64, d128 = (T.choose_config(d, "float16", simulator=False) for d in (64, 128))
     assert [T.shared_bytes(d64, n) for n in T.KERNELS] == [56320, 65536, 55296]
-    assert [T.shared_bytes(d128, n) for n in T.KERNELS] == [70144, 75264, 69632]
+    assert [T.shared_bytes(d128, n) for n in T.KERNELS] == [105472, 114688, 104448]
+    # A GPU with less shared memory per block (sm_86/89: 99 KB) gets the D = 128 tiles that fit.
+    small = T.choose_config(128, "float16", simulator=False, cc=(8, 6), max_shared=99 * 1024)
+    assert (small.block_m, small.block_n) == (32, 64)
+    assert [T.shared_bytes(small, n) for n in T.KERNELS] == [70144, 75264, 69632]
+    assert T.choose_config(64, "float16", simulator=False, cc=(8, 6), max_shared=99 * 1024) == dataclasses.replace(
+        d64, vector_red=False
+    )
     # Vector reductions for the atomic dQ from sm_90 on; the simulator (no compute capability) takes the scalar ones.
     for sim in (False, True):
         assert T.choose_config(64, "float16", simulator=sim, cc=(9, 0)).vector_red
