@@ -202,12 +202,14 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
     padded head dim     dK/dV: keys × queries         dQ: queries × keys
     ==================  ============================  ============================
     ≤ 64                64 × 32  (float64: 32 × 16)   64 × 32  (float64: 32 × 16)
-    ≤ 128               32 × 32  (float64: 16 × 16)   64 × 32  (float64: 32 × 16)
+    ≤ 128               64 × 64, two thread groups    64 × 32  (float64: 32 × 16)
+                        (float64: 16 × 16)
     ≤ 256               16 × 16  (float64: 16 × 16)   32 × 16  (float64: 16 × 16)
     ==================  ============================  ============================
 
     These sizes compile for sm_90 without register spills (checked by
-    ``tests/test_backward.py``); their speed has not been tuned yet.
+    ``tests/test_backward.py``).  The float32 tiles up to D = 128 were timed
+    on the H200 (``benchmarks/fp32_candidates.py``); the others were not tuned.
     In the simulator, where each CUDA thread is a Python thread, tiles are
     8 × 8 with 4 × 2 threads.
     """
@@ -233,6 +235,15 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
             keys, kv_queries, queries, q_keys = 16, 16, 32, 16
         else:
             keys, kv_queries, queries, q_keys = 16, 16, 16, 16
+    if input_kind == "float32" and 64 < d_pad <= 128:
+        # Two thread groups over 64 × 64 dK/dV tiles (one computes Pᵀ and dV, the other dPᵀ, dSᵀ and dK), in
+        # 16-byte column runs at D = 128: 24.1–26.6 TFLOP/s on the H200 against 20.5–21.8 for 32 × 32
+        # (benchmarks/results/fp32-candidates-NVIDIA-H200-2026-11-30-session4.json).  The head dim pads to a
+        # multiple of 32 (threads_x · groups), of 128 for the 16-byte runs.  float32 inputs only: with 16-bit
+        # inputs the same tiles put 256 bytes on the stack at D = 128 (their conversion needs registers).
+        d_pad = pad_head_dim(head_dim, 2 * tx)
+        dkdv = TileConfig(64, 64, d_pad, tx, ty, input_kind, acc_kind, groups=2, interleave=d_pad == 128)
+        return BackwardConfig(dkdv=dkdv, dq=_tile(queries, q_keys, d_pad, tx, ty, input_kind, acc_kind))
     return BackwardConfig(
         dkdv=_tile(kv_queries, keys, d_pad, tx, ty, input_kind, acc_kind),
         dq=_tile(queries, q_keys, d_pad, tx, ty, input_kind, acc_kind),

@@ -386,13 +386,14 @@ def test_torch_tensors_refused(rng, xp, no_launch):
 
 @pytest.mark.parametrize("input_kind", ["float16", "bfloat16", "float32", "float64"])
 def test_gpu_configs_can_run(input_kind):
-    """Every head dim's configuration fits an H200 (227 KB of shared memory, 128 threads)."""
+    """Every head dim's configuration fits an H200 (227 KB of shared memory; 128 threads, or two groups of 128)."""
     for head_dim in range(1, 257):
         cfg = bw.choose_config(head_dim, input_kind, simulator=False)
         ok, why = bw.can_implement(cfg)
         assert ok, (head_dim, why)
         assert max(bw.dkdv_shared_bytes(cfg.dkdv), bw.dq_shared_bytes(cfg.dq)) <= 227 * 1024
-        assert cfg.dkdv.threads == cfg.dq.threads == 128
+        assert cfg.dq.threads == 128 and cfg.dkdv.threads == 128 * cfg.dkdv.groups
+        assert cfg.dkdv.groups == (2 if input_kind == "float32" and 64 < cfg.dkdv.head_dim_pad <= 128 else 1)
 
 
 _PTX_SCRIPT = textwrap.dedent(
