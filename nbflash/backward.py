@@ -241,13 +241,24 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
         # (benchmarks/results/fp32-candidates-NVIDIA-H200-2026-11-30-session4.json).  The head dim pads to a
         # multiple of 32 (threads_x · groups), of 128 for the 16-byte runs.  float32 inputs only: with 16-bit
         # inputs the same tiles put 256 bytes on the stack at D = 128 (their conversion needs registers).
-        d_pad = pad_head_dim(head_dim, 2 * tx)
-        dkdv = TileConfig(64, 64, d_pad, tx, ty, input_kind, acc_kind, groups=2, interleave=d_pad == 128)
-        return BackwardConfig(dkdv=dkdv, dq=_tile(queries, q_keys, d_pad, tx, ty, input_kind, acc_kind))
+        # It needs 166 KB of shared memory per block: a GPU that allows less (A100: 163 KB) keeps 32 × 32.
+        wide = pad_head_dim(head_dim, 2 * tx)
+        dkdv = TileConfig(64, 64, wide, tx, ty, input_kind, acc_kind, groups=2, interleave=wide == 128)
+        if dkdv_shared_bytes(dkdv) <= _shared_limit():
+            return BackwardConfig(dkdv=dkdv, dq=_tile(queries, q_keys, wide, tx, ty, input_kind, acc_kind))
     return BackwardConfig(
         dkdv=_tile(kv_queries, keys, d_pad, tx, ty, input_kind, acc_kind),
         dq=_tile(queries, q_keys, d_pad, tx, ty, input_kind, acc_kind),
     )
+
+
+def _shared_limit() -> int:
+    """The current device's shared memory per block; Hopper's 227 KB where there is no device to ask
+    (offline compilation)."""
+    try:
+        return max_shared_per_block()
+    except Exception:  # no GPU and no simulator
+        return 227 * 1024
 
 
 def can_implement(cfg: BackwardConfig) -> tuple[bool, str]:

@@ -396,6 +396,21 @@ def test_gpu_configs_can_run(input_kind):
         assert cfg.dkdv.groups == (2 if input_kind == "float32" and 64 < cfg.dkdv.head_dim_pad <= 128 else 1)
 
 
+def test_two_group_tiles_step_down_where_shared_memory_is_short(monkeypatch):
+    """float32 at D = 128 takes 64 × 64 dK/dV tiles in two thread groups (166 KB); an A100's 163 KB gets 32 × 32."""
+    bw.choose_config.cache_clear()
+    wide = bw.choose_config(128, "float32", simulator=False)
+    assert (wide.dkdv.groups, wide.dkdv.block_n, wide.dkdv.block_m) == (2, 64, 64) and wide.dkdv.interleave
+    monkeypatch.setattr(bw, "_shared_limit", lambda: 163 * 1024)
+    bw.choose_config.cache_clear()
+    try:
+        small = bw.choose_config(128, "float32", simulator=False)
+    finally:
+        bw.choose_config.cache_clear()
+    assert (small.dkdv.groups, small.dkdv.block_n, small.dkdv.block_m) == (1, 32, 32)
+    assert bw.dkdv_shared_bytes(small.dkdv) <= 163 * 1024 < bw.dkdv_shared_bytes(wide.dkdv)
+
+
 _PTX_SCRIPT = textwrap.dedent(
     r"""
     import json, re, sys, time
