@@ -59,22 +59,8 @@ B, H, N, D = 1, 1, 16, 64
 
 
 def median_us(fn, *, calls: int, warmup: int, sync=None) -> float:
-    """Median host time of ``fn()`` in µs; with ``sync``, of ``fn(); sync()``."""
-    for _ in range(warmup):
-        fn()
-    if sync is not None:
-        sync()
-    times = []
-    for i in range(calls):
-        t0 = time.perf_counter_ns()
-        fn()
-        if sync is not None:
-            sync()
-        times.append(time.perf_counter_ns() - t0)
-        if sync is None and i % 128 == 127:
-            _device_sync()
-    _device_sync()
-    return statistics.median(times) / 1e3
+    """Median host time of ``fn()`` in µs; with ``sync``, of ``fn(); sync()`` (one round of :func:`interleaved_us`)."""
+    return interleaved_us({"fn": fn}, calls=calls, warmup=warmup, rounds=1, sync=sync)["fn"]
 
 
 def _device_sync():
