@@ -18,6 +18,10 @@ configuration meets the target?" (forward ≥ 25, backward ≥ 20 TFLOP/s at N �
 
     mbN  launch bounds asking for N resident blocks per SM     il  head-dim columns in 16-byte runs
     lf   every head's longest tile first (grid order)           xG  G thread groups (dK/dV kernel: 1 or 2)
+    as   forward only: tiles copied by cp.async (``async_copy``), the API's choice for aligned float32
+
+``fwd/D/default`` is what the API runs on these contiguous float32 inputs (``async_copy`` where D is a
+multiple of 4).
 
 A backward candidate without ``dq…`` keeps the API's dQ tile (it only matters with ``--deterministic``).
 
@@ -40,6 +44,7 @@ Output: ``<out>/fp32-candidates-<device>-<date><suffix>.json``, rewritten after 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -85,7 +90,7 @@ DEFAULT_PLAN = (
     "bwd/128/kv64x32/16x8/il",
 )
 #: --smoke: configurations small enough for the simulator (a Python thread per CUDA thread).
-SMOKE_PLAN = ("fwd/32/default", "fwd/32/8x8/4x2/il/lf", "bwd/32/default", "bwd/32/kv8x8/4x2x2/il/lf")
+SMOKE_PLAN = ("fwd/32/default", "fwd/32/8x8/4x2/il/lf", "fwd/32/8x8/4x2/as", "bwd/32/default", "bwd/32/kv8x8/4x2x2/il/lf")
 TARGET_TFLOPS = {"forward": 25.0, "backward": 20.0}
 FLOP_FACTOR = {"forward": 1.0, "backward": 2.5}
 
@@ -125,10 +130,12 @@ def _tile_fields(tokens: list[str], spec: str) -> tuple[str, dict, list[str]]:
             fields["interleave"] = True
         elif flag == "lf":
             fields["longest_first"] = True
+        elif flag == "as":
+            fields["async_copy"] = True
         elif re.fullmatch(r"mb\d+", flag):
             fields["min_blocks"] = int(flag[2:])
         else:
-            raise ValueError(f"{spec!r}: unknown flag {flag!r} (mbN, il, lf)")
+            raise ValueError(f"{spec!r}: unknown flag {flag!r} (mbN, il, lf, as)")
     return tile.group(1) or "", fields, rest
 
 
@@ -144,8 +151,11 @@ def parse_candidate(spec: str, simulator: bool = SIMULATOR) -> Candidate:
         raise ValueError(f"{spec!r}: expected fwd/D/... or bwd/D/...")
     kind, head_dim, rest = tokens[0], int(tokens[1]), tokens[2:]
     if rest == ["default"]:
-        choose = fw.choose_config if kind == "fwd" else bw.choose_config
-        return Candidate(spec, kind, head_dim, choose(head_dim, "float32", simulator=simulator))
+        if kind == "bwd":
+            return Candidate(spec, kind, head_dim, bw.choose_config(head_dim, "float32", simulator=simulator))
+        cfg = fw.choose_config(head_dim, "float32", simulator=simulator)
+        # What the API runs on these (contiguous, aligned) inputs: cp.async copies where rows are 16-byte chunks.
+        return Candidate(spec, kind, head_dim, dataclasses.replace(cfg, async_copy=head_dim % 4 == 0))
     prefix, first, rest = _tile_fields(rest, spec)
     if kind == "fwd":
         if prefix or rest:
@@ -155,6 +165,8 @@ def parse_candidate(spec: str, simulator: bool = SIMULATOR) -> Candidate:
         return Candidate(spec, kind, head_dim, TileConfig(bm, bn, d_pad, input_kind="float32", **first))
     if prefix != "kv":
         raise ValueError(f"{spec!r}: a backward candidate starts with its dK/dV tile, kvKEYSxQUERIES")
+    if "async_copy" in first or "async_copy" in rest:
+        raise ValueError(f"{spec!r}: 'as' (cp.async copies) is a forward flag")
     default_dq = bw.choose_config(head_dim, "float32", simulator=simulator).dq
     if rest:
         dq_prefix, second, rest = _tile_fields(rest, spec)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import intrinsics as I
 from ._device import SIMULATOR, cuda, device_function, numba, shfl_xor
 
 #: Element types a kernel can read from global memory.  bfloat16 arrives as its
@@ -61,6 +62,7 @@ class TileConfig:
     groups: int = 1  # copies of the thread layout (threadIdx.z); only the backward's dK/dV kernel takes 2
     interleave: bool = False  # head-dim columns in 16-byte runs (see the module docstring), not one run
     longest_first: bool = False  # grid order: every head's longest tile first (see grid_shape)
+    async_copy: bool = False  # float32 tiles copied by cp.async (make_async_tile_loader), overlapping the maths
 
     def __post_init__(self):
         tx, ty = self.threads_x, self.threads_y
@@ -75,6 +77,11 @@ class TileConfig:
                 raise ValueError(f"{name}={size} must be a positive multiple of {div}")
         if self.input_kind not in INPUT_KINDS:
             raise ValueError(f"input_kind must be one of {INPUT_KINDS}, got {self.input_kind!r}")
+        if self.async_copy and (self.input_kind != "float32" or self.head_dim_pad % 4):
+            raise ValueError(
+                "async_copy copies float32 rows in 16-byte chunks: it needs input_kind='float32' and a head_dim_pad"
+                f" that is a multiple of 4, got {self.input_kind!r} and {self.head_dim_pad}"
+            )
         if self.groups not in (1, 2):
             raise ValueError(f"groups must be 1 or 2, got {self.groups}")
         # The backward's atomic dQ step gives each group its own share of the head dim.
@@ -264,6 +271,40 @@ def make_tile_loader(cfg: TileConfig):
     return device_function(load_tile)
 
 
+def make_async_tile_loader(cfg: TileConfig):
+    """Device function that *starts* copying rows ``[start, start + rows)`` of one (batch, head) into shared memory.
+
+    The same tile as :func:`make_tile_loader` (``dst[offset + r * pitch + d]``,
+    zeros past ``seqlen`` and past ``head_dim``), moved by ``cp.async`` in
+    16-byte chunks of four float32 that bypass the registers: the copy runs
+    while the block computes, and lands once the thread has committed it and
+    waited (``cp_async_commit``, ``cp_async_wait_all``) — then a barrier makes
+    it visible to the other threads.  Float32 inputs only, ``head_dim`` a
+    multiple of 4 and every row 16-byte aligned (:func:`nbflash.forward.async_copy_ok`).
+
+    Consecutive threads take consecutive chunks, so a warp reads whole rows.
+    A chunk past the end reads nothing (source size 0) from a clamped, valid
+    address and writes 16 zero bytes.
+    """
+    THREADS = cfg.threads
+    CHUNKS = cfg.head_dim_pad // 4  # 16-byte chunks per row
+    u64 = numba.uint64
+    U_THREADS, U_CHUNKS = u64(THREADS), u64(CHUNKS)
+
+    def load_tile_async(dst, offset, pitch, src, b, h, start, rows, seqlen, head_dim, tid):
+        b_u, h_u = u64(b), u64(h)
+        last_col = u64(head_dim - 4)  # head_dim ≥ 4: a multiple of 4
+        for c in range(u64(tid), u64(rows) * U_CHUNKS, U_THREADS):
+            r = c // U_CHUNKS
+            col = (c - r * U_CHUNKS) * u64(4)
+            row = u64(start) + r
+            nbytes = 16 if row < u64(seqlen) and col < u64(head_dim) else 0
+            src_row = min(row, u64(seqlen - 1))  # a valid address even when nothing is read
+            I.cp_async_16(dst, u64(offset) + r * u64(pitch) + col, src, (b_u, h_u, src_row, min(col, last_col)), nbytes)
+
+    return device_function(load_tile_async)
+
+
 def make_mm_nt(rows: int, cols: int, depth: int, pitch: int, vec: int, acc_kind: str):
     """Device function for one thread's piece of ``A Bᵀ``, both operands stored as rows in shared memory.
 
@@ -365,6 +406,7 @@ __all__ = [
     "cuda",
     "d_chunk",
     "grid_shape",
+    "make_async_tile_loader",
     "make_block_tile",
     "make_d_column",
     "make_loader",

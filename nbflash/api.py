@@ -37,7 +37,7 @@ def plan_forward(head_dim: int, input_kind: str, scale: float, q, k, v, backend:
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    simt = _simt.choose_config(head_dim, input_kind)
+    simt = _simt.with_copies(_simt.choose_config(head_dim, input_kind), q, k, v)
     if backend == "simt":
         return Plan("simt", simt, "requested")
     why, cfg = "", None

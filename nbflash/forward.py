@@ -18,7 +18,9 @@ and with ``longest_first`` those of every head before any shorter tile
 2. For each key tile ``j`` that some query of the tile can see (causal tiles
    entirely above the diagonal are skipped — see :mod:`nbflash.masking`):
 
-   a. load ``K_j`` and ``V_j`` into shared memory;
+   a. load ``K_j`` and ``V_j`` into shared memory (with ``async_copy``:
+      ``V_j`` streams in by ``cp.async`` while steps b–c run, and ``K_{j+1}``
+      while step d runs — see "Copies" below);
    b. ``S = Q_i K_jᵀ · scale`` in registers, each thread a ``ROWS × COLS``
       piece; invisible pairs (ragged end, causal diagonal) get ``-inf`` — only
       tiles that straddle the diagonal or a ragged end run this test;
@@ -33,6 +35,16 @@ and with ``longest_first`` those of every head before any shorter tile
 ``S`` and ``P`` never leave the chip.  Exponentials are taken base 2 with the
 scale folded in (``exp(x) = exp2(x · log2 e)``), the usual FlashAttention trick.
 
+Copies.  By default each tile is loaded by plain loads (converted to the
+accumulator type on the way) before a barrier, and the block waits for them.
+For float32 inputs whose rows are 16-byte aligned (:func:`async_copy_ok`)
+the API sets ``async_copy``: ``cp.async`` moves 16-byte chunks straight to
+shared memory in the background, on this schedule (one K and one V buffer)::
+
+    prologue   copy Q_i, K_0 ─ wait ─ barrier
+    tile j     copy V_j ┐ S = Q_i K_jᵀ, softmax ─ wait ─ barrier ─ copy K_{j+1} ┐ acc += P V_j ─ wait ─ barrier
+                        └── in flight ──────────┘                              └── in flight ──┘
+
 Constraints: any ``N_q, N_k ≥ 1``; ``D ≤ 256`` (padded inside to a multiple of
 ``THREADS_X``); inputs float16/bfloat16/float32 accumulate in float32, float64
 in float64.  Shared memory per block is given by :func:`shared_bytes`.
@@ -40,11 +52,14 @@ in float64.  Shared memory per block is given by :func:`shared_bytes`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
+from . import intrinsics as I
 from ._device import (
     SIMULATOR,
+    compute_capability,
     cuda,
     kernel,
     launch,
@@ -57,6 +72,7 @@ from ._tiles import (
     LOG2E,
     TileConfig,
     grid_shape,
+    make_async_tile_loader,
     make_block_tile,
     make_d_column,
     make_mm_nn,
@@ -68,7 +84,7 @@ from ._tiles import (
     pad_head_dim,
     vector_width,
 )
-from ._validate import array_module
+from ._validate import array_module, data_address
 from .masking import d_key_range, d_row_key_end, d_tile_needs_mask
 
 
@@ -122,6 +138,8 @@ def forward_kernel(cfg: TileConfig):
     assert Q_PITCH == K_PITCH
 
     load_tile = make_tile_loader(cfg)
+    ASYNC = cfg.async_copy
+    copy_tile = make_async_tile_loader(cfg) if ASYNC else None
     # The two products, one thread's piece each: S = Q_i K_jᵀ and acc += P V_j.
     mm_qk = make_mm_nt(ROWS, COLS, D_PAD, Q_PITCH, VEC, cfg.acc_kind)
     mm_pv = make_mm_nn(ROWS, DCOLS, BLOCK_N, P_PITCH, V_PITCH, VEC, cfg.acc_kind)
@@ -149,7 +167,10 @@ def forward_kernel(cfg: TileConfig):
         smem = cuda.shared.array(0, acc_t, alignment=SMEM_ALIGN)
 
         # Step 1: Q_i stays in shared memory; m_i, l_i, acc in registers.
-        load_tile(smem, Q_OFF, Q_PITCH, q, b, h, q_start, BLOCK_M, seqlen_q, head_dim, tid)
+        if ASYNC:
+            copy_tile(smem, Q_OFF, Q_PITCH, q, b, h, q_start, BLOCK_M, seqlen_q, head_dim, tid)
+        else:
+            load_tile(smem, Q_OFF, Q_PITCH, q, b, h, q_start, BLOCK_M, seqlen_q, head_dim, tid)
         m_i = cuda.local.array(ROWS, acc_t)
         l_i = cuda.local.array(ROWS, acc_t)  # this lane's share of the row sum
         acc = cuda.local.array((ROWS, DCOLS), acc_t)
@@ -181,12 +202,23 @@ def forward_kernel(cfg: TileConfig):
                 acc[r, e] = zero
 
         _, k_end = d_key_range(q_start, BLOCK_M, seqlen_q, seqlen_k, causal)
-        for j in range((k_end + BLOCK_N - 1) // BLOCK_N):
+        n_tiles = (k_end + BLOCK_N - 1) // BLOCK_N
+        if ASYNC:
+            if n_tiles > 0:
+                copy_tile(smem, K_OFF, K_PITCH, k, b, h, 0, BLOCK_N, seqlen_k, head_dim, tid)
+            I.cp_async_wait_all()  # this thread's chunks of Q_i and K_0 have landed ...
+            cuda.syncthreads()  # ... and everyone's, before anyone reads them
+        for j in range(n_tiles):
             k_start = j * BLOCK_N
             # Step 2a: stream K_j and V_j through shared memory.
-            load_tile(smem, K_OFF, K_PITCH, k, b, h, k_start, BLOCK_N, seqlen_k, head_dim, tid)
-            load_tile(smem, V_OFF, V_PITCH, v, b, h, k_start, BLOCK_N, seqlen_k, head_dim, tid)
-            cuda.syncthreads()  # Q_i, K_j and V_j are complete before anyone reads them
+            if ASYNC:
+                # K_j is already here; V_j streams in while S = Q_i K_jᵀ is computed (the barrier that
+                # closed the previous tile freed its buffer).
+                copy_tile(smem, V_OFF, V_PITCH, v, b, h, k_start, BLOCK_N, seqlen_k, head_dim, tid)
+            else:
+                load_tile(smem, K_OFF, K_PITCH, k, b, h, k_start, BLOCK_N, seqlen_k, head_dim, tid)
+                load_tile(smem, V_OFF, V_PITCH, v, b, h, k_start, BLOCK_N, seqlen_k, head_dim, tid)
+                cuda.syncthreads()  # Q_i, K_j and V_j are complete before anyone reads them
 
             # Step 2b: S = Q_i K_jᵀ, this thread's ROWS × COLS piece.
             for r in range(ROWS):
@@ -232,10 +264,18 @@ def forward_kernel(cfg: TileConfig):
                     if tx == 0 and row < seqlen_q:
                         trace[b, h, row, j, 0] = m_i[r] * LN2
                         trace[b, h, row, j, 1] = l_row
-            syncwarp()  # a row of P is written and read by the lanes of one warp
+            if ASYNC:
+                I.cp_async_wait_all()
+                cuda.syncthreads()  # V_j is complete, and everyone is done reading K_j before K_{j+1} replaces it
+                if j + 1 < n_tiles:  # K_{j+1} streams in while acc += P V_j is computed
+                    copy_tile(smem, K_OFF, K_PITCH, k, b, h, k_start + BLOCK_N, BLOCK_N, seqlen_k, head_dim, tid)
+            else:
+                syncwarp()  # a row of P is written and read by the lanes of one warp
 
             # Step 2d: acc += P V_j.
             mm_pv(acc, smem, P_OFF, q_row, V_OFF, d_col)
+            if ASYNC:
+                I.cp_async_wait_all()  # K_{j+1} has landed (this thread's chunks; the barrier shows everyone's)
             cuda.syncthreads()  # everyone is done with K_j, V_j (and its P) before the next load
 
         # Step 3: O_i = acc / l_i and lse_i = m_i + log l_i, written once.
@@ -305,6 +345,39 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
     )
 
 
+def async_copy_ok(cfg: TileConfig, *arrays) -> tuple[bool, str]:
+    """Can ``cfg`` with ``async_copy`` read these arrays (canonical q, k, v views or descriptors)?  ``(ok, reason)``.
+
+    ``cp.async`` copies float32 rows in 16-byte chunks: the head dim a multiple
+    of 4, each array contiguous along it, its other strides and its data
+    pointer multiples of 16 bytes; and a GPU of compute capability 8.0 or newer
+    (the simulator emulates the instruction).
+    """
+    if cfg.input_kind != "float32":
+        return False, f"cp.async copies float32 tiles as they are; {cfg.input_kind} is converted on load"
+    cc = compute_capability()
+    if cc is not None and cc < (8, 0):
+        return False, f"cp.async needs compute capability 8.0, the device has {cc}"
+    for name, a in zip("qkv", arrays, strict=False):
+        strides = a.strides
+        if a.shape[-1] % 4:
+            return False, f"{name}'s head dim {a.shape[-1]} is not a multiple of 4 (16-byte chunks)"
+        if strides[-1] != 4:
+            return False, f"{name} is not contiguous along the head dim"
+        if (strides[0] | strides[1] | strides[2]) & 15:
+            return False, f"{name}'s strides {strides} are not multiples of 16 bytes"
+        if data_address(a) & 15:
+            return False, f"{name}'s data pointer is not 16-byte aligned"
+    return True, ""
+
+
+def with_copies(cfg: TileConfig, q, k, v) -> TileConfig:
+    """``cfg`` with ``async_copy`` where :func:`async_copy_ok` allows it (the API's choice), else ``cfg``."""
+    if cfg.async_copy or cfg.input_kind != "float32" or not async_copy_ok(cfg, q, k, v)[0]:
+        return cfg
+    return dataclasses.replace(cfg, async_copy=True)
+
+
 def can_implement(cfg: TileConfig) -> tuple[bool, str]:
     """Will this configuration launch on the current device?  ``(ok, reason)``."""
     need = shared_bytes(cfg)
@@ -321,6 +394,8 @@ def can_implement(cfg: TileConfig) -> tuple[bool, str]:
 def launch_forward(cfg: TileConfig, q, k, v, o, lse, scale: float, causal: bool, trace=None, stream=0):
     """Launch the forward kernel on canonical ``(B, H, N, D)`` views (no checks here)."""
     ok, why = can_implement(cfg)
+    if ok and cfg.async_copy:
+        ok, why = async_copy_ok(cfg, q, k, v)
     if not ok:
         raise ValueError(f"forward configuration {cfg} cannot run: {why}")
     batch, heads, seqlen_q, _ = q.shape
@@ -361,6 +436,8 @@ def api_configs() -> list[TileConfig]:
         for d in range(1, 257):
             cfg = choose_config(d, kind, simulator=False)
             seen[cfg] = None
+            if kind == "float32" and d % 4 == 0:  # aligned float32 rows take cp.async (with_copies)
+                seen[dataclasses.replace(cfg, async_copy=True)] = None
     return list(seen)
 
 
@@ -387,12 +464,14 @@ def kernel_signature(cfg: TileConfig):
 
 __all__ = [
     "api_configs",
+    "async_copy_ok",
     "can_implement",
     "choose_config",
     "forward_kernel",
     "kernel_signature",
     "launch_forward",
     "shared_bytes",
+    "with_copies",
 ]
 
 

@@ -9,6 +9,7 @@ the same tests run on CuPy arrays, plus a few at real sizes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -179,15 +180,75 @@ def test_interleaved_columns_and_grid_order(xp, rng, longest_first):
         np.testing.assert_allclose(_host(lse), ref_lse, atol=TOL[np.float32])
 
 
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        TileConfig(8, 8, 16, 4, 2, "float32", async_copy=True),  # head dim 12 pads to 16: a zero-filled chunk
+        TileConfig(16, 8, 32, 8, 4, "float32", async_copy=True, interleave=True),
+        TileConfig(4, 16, 32, 4, 4, "float32", async_copy=True, longest_first=True),
+    ],
+    ids=str,
+)
+def test_async_copy(xp, rng, cfg):
+    """cp.async tiles (V_j under S = Q_i K_jᵀ, K_{j+1} under acc += P V_j): ragged ends, causal, N_q ≠ N_k."""
+    d = 12 if cfg.head_dim_pad == 16 else cfg.head_dim_pad
+    for n_q, n_k in [(1, 1), (13, 29), (29, 13), (17, 16)]:
+        q, k, v = make_qkv(rng, 2, 1, n_q, n_k, d)
+        for causal in (False, True):
+            o = xp.full(q.shape, np.nan, np.float32)
+            lse = xp.full(q.shape[:3], np.nan, np.float32)
+            launch_forward(cfg, xp.asarray(q), xp.asarray(k), xp.asarray(v), o, lse, 1 / math.sqrt(d), causal)
+            ref, ref_lse = attention_ref(q, k, v, causal=causal)
+            np.testing.assert_allclose(_host(o), ref, atol=TOL[np.float32])
+            seen = np.isfinite(ref_lse)
+            np.testing.assert_array_equal(np.isneginf(_host(lse)), ~seen)
+            np.testing.assert_allclose(_host(lse)[seen], ref_lse[seen], atol=1e-5)
+
+
+def test_async_copy_choice(xp, rng):
+    """The API copies by cp.async exactly where rows are whole 16-byte chunks (float32, aligned), else loads."""
+    from nbflash.forward import async_copy_ok
+
+    def plan(q, k, v, layout="bhsd"):
+        return nbflash.which_backend(q, k, v, layout=layout, backend="simt").config
+
+    q, k, v = (xp.asarray(a) for a in make_qkv(rng, 1, 2, 9, 10, 8))
+    assert plan(q, k, v).async_copy
+    qs, ks, vs = (xp.asarray(a) for a in make_qkv(rng, 1, 3, 9, 10, 8, layout="bshd"))
+    assert plan(qs, ks, vs, layout="bshd").async_copy  # (B, N, H, D): strides are multiples of D = 8 floats
+    assert not plan(*(a.astype(np.float64) for a in (q, k, v))).async_copy  # float64: no such variant
+    assert not plan(*(a.astype(np.float16) for a in (q, k, v))).async_copy  # converted on load
+    q6, k6, v6 = (xp.asarray(a) for a in make_qkv(rng, 1, 2, 9, 10, 6))
+    assert not plan(q6, k6, v6).async_copy  # rows of 24 bytes
+    # A view one float into a buffer: the data pointer is 4 bytes past a 16-byte boundary.
+    buf = xp.asarray(rng.standard_normal(1 * 2 * 9 * 8 + 1).astype(np.float32))
+    q_off = buf[1:].reshape(1, 2, 9, 8)
+    assert not plan(q_off, k, v).async_copy
+    ok, why = async_copy_ok(TileConfig(8, 8, 8, 4, 2, "float32", async_copy=True), q_off, k, v)
+    assert not ok and "q's data pointer" in why
+    # The fallback is still exact, and a forced cp.async configuration refuses the misaligned view.
+    o = nbflash.attention(q_off, k, v, causal=True)
+    ref = attention_ref(_host(q_off), _host(k), _host(v), causal=True)[0]
+    np.testing.assert_allclose(_host(o), ref, atol=TOL[np.float32])
+    cfg = TileConfig(8, 8, 8, 4, 2, "float32", async_copy=True)
+    o = xp.empty(q_off.shape, np.float32)
+    lse = xp.empty(q_off.shape[:3], np.float32)
+    with pytest.raises(ValueError, match="not 16-byte aligned"):
+        launch_forward(cfg, q_off, k, v, o, lse, 0.5, False)
+    with pytest.raises(ValueError, match="async_copy"):
+        TileConfig(8, 8, 8, 4, 2, "float16", async_copy=True)
+
+
 def test_gpu_configuration_in_simulator(xp, rng):
     """The configuration the GPU uses for D = 64 (256 threads, 128 × 64 tiles), run once in the simulator."""
     cfg = choose_config(64, "float32", simulator=False)
     q, k, v = make_qkv(rng, 1, 1, 3, 70, 64)
-    o = xp.full(q.shape, np.nan, np.float32)
-    lse = xp.full(q.shape[:3], np.nan, np.float32)
-    launch_forward(cfg, xp.asarray(q), xp.asarray(k), xp.asarray(v), o, lse, 0.125, True)
-    ref, _ = attention_ref(q, k, v, causal=True)
-    np.testing.assert_allclose(_host(o), ref, atol=2e-6)
+    for c in (cfg, dataclasses.replace(cfg, async_copy=True)):
+        o = xp.full(q.shape, np.nan, np.float32)
+        lse = xp.full(q.shape[:3], np.nan, np.float32)
+        launch_forward(c, xp.asarray(q), xp.asarray(k), xp.asarray(v), o, lse, 0.125, True)
+        ref, _ = attention_ref(q, k, v, causal=True)
+        np.testing.assert_allclose(_host(o), ref, atol=2e-6)
 
 
 def test_masking_host_functions():
