@@ -20,8 +20,8 @@ configuration meets the target?" (forward ≥ 25, backward ≥ 20 TFLOP/s at N �
     lf   every head's longest tile first (grid order)           xG  G thread groups (dK/dV kernel: 1 or 2)
     as   forward only: tiles copied by cp.async (``async_copy``), the API's choice for aligned float32
 
-``fwd/D/default`` is what the API runs on these contiguous float32 inputs (``async_copy`` where D is a
-multiple of 4).
+``fwd/D/default`` is what the API runs on these contiguous float32 inputs (``as``/``lf`` where D is a
+multiple of 4, :func:`nbflash.forward.with_copies`).
 
 A backward candidate without ``dq…`` keeps the API's dQ tile (it only matters with ``--deterministic``).
 
@@ -90,7 +90,9 @@ DEFAULT_PLAN = (
     "bwd/128/kv64x32/16x8/il",
 )
 #: --smoke: configurations small enough for the simulator (a Python thread per CUDA thread).
-SMOKE_PLAN = ("fwd/32/default", "fwd/32/8x8/4x2/il/lf", "fwd/32/8x8/4x2/as", "bwd/32/default", "bwd/32/kv8x8/4x2x2/il/lf")
+SMOKE_PLAN = (
+    "fwd/32/default", "fwd/32/8x8/4x2/il/lf", "fwd/32/8x8/4x2/as", "bwd/32/default", "bwd/32/kv8x8/4x2x2/il/lf",
+)
 TARGET_TFLOPS = {"forward": 25.0, "backward": 20.0}
 FLOP_FACTOR = {"forward": 1.0, "backward": 2.5}
 
@@ -155,7 +157,8 @@ def parse_candidate(spec: str, simulator: bool = SIMULATOR) -> Candidate:
             return Candidate(spec, kind, head_dim, bw.choose_config(head_dim, "float32", simulator=simulator))
         cfg = fw.choose_config(head_dim, "float32", simulator=simulator)
         # What the API runs on these (contiguous, aligned) inputs: cp.async copies where rows are 16-byte chunks.
-        return Candidate(spec, kind, head_dim, dataclasses.replace(cfg, async_copy=head_dim % 4 == 0))
+        aligned = head_dim % 4 == 0
+        return Candidate(spec, kind, head_dim, dataclasses.replace(cfg, async_copy=aligned, longest_first=aligned))
     prefix, first, rest = _tile_fields(rest, spec)
     if kind == "fwd":
         if prefix or rest:
