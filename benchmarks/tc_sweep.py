@@ -4,6 +4,13 @@ Run on a CUDA machine (CuPy and PyTorch needed)::
 
     python benchmarks/tc_sweep.py --out benchmarks/results
 
+Only some candidates, by tag (see :func:`tag`; ``default`` is the
+configuration :func:`nbflash.forward_tc.choose_config` picks, ``default-split``
+the same tiles in FlashAttention-2's split K/V pipeline), e.g. the two
+pipelines side by side at D = 64 and 128::
+
+    python benchmarks/tc_sweep.py --dims 64,128 --configs default,default-split --suffix -pipelines
+
 1. For each candidate tile configuration of :mod:`nbflash.forward_tc`: the
    compile time, and registers / shared / local memory of the compiled kernel.
 2. Correctness: each configuration against a float64 reference over odd sizes,
@@ -20,6 +27,7 @@ Results go to ``<out>/tc-forward-<device>-<date>.json`` (device, versions, commi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -38,27 +46,56 @@ from benchmarks.forward_sweep import environment  # noqa: E402
 from nbflash import forward_tc as T  # noqa: E402
 
 KIND = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
-# (block_m, block_n, q_in_regs, m_tiles) per head dim.
+# (block_m, block_n, q_in_regs, m_tiles, kv_pipeline) per head dim.
 CANDIDATES = {
-    64: [(64, 64, True, 1), (128, 64, True, 2), (128, 32, True, 2), (64, 64, True, 2)],
-    128: [
-        (64, 32, True, 1),
-        (64, 64, True, 1),
-        (128, 32, False, 2),
-        (64, 32, False, 2),
-        (128, 64, False, 1),
-        (128, 64, False, 2),  # FlashAttention-2's D = 128 tiles: 4 warps × 32 rows, Q re-read from shared memory
+    64: [
+        (64, 64, True, 1, "double"),
+        (128, 64, True, 2, "double"),
+        (128, 64, True, 2, "split"),  # the same tiles in FlashAttention-2's split K/V pipeline (36 KB, not 54)
+        (128, 32, True, 2, "double"),
+        (64, 64, True, 2, "double"),
     ],
-    256: [(64, 32, False, 1)],
+    128: [
+        (64, 32, True, 1, "double"),
+        (64, 64, True, 1, "double"),
+        (128, 32, False, 2, "double"),
+        (64, 32, False, 2, "double"),
+        (128, 64, False, 1, "double"),
+        (128, 64, False, 2, "double"),  # FlashAttention-2's D = 128 tiles: 4 warps × 32 rows, Q re-read from smem
+        (128, 64, False, 2, "split"),  # ... and its split K/V pipeline (68 KB of shared memory, not 102)
+    ],
+    256: [(64, 32, False, 1, "double")],
 }
+#: Names accepted by --configs besides tags: choose_config's pick for each head dim and dtype, and its split pipeline.
+NAMED = ("default", "default-split")
 #: Head dims checked for correctness only (the default configuration).
 CHECK_ONLY = (40, 96, 256)
 
 
 def tag(cfg) -> str:
     """``64x32`` (Q fragments in registers) or ``64x32s`` (Q re-read from shared memory); ``/2``: two m-tiles
-    per warp."""
-    return f"{cfg.block_m}x{cfg.block_n}{'' if cfg.q_in_regs else 's'}{'/2' if cfg.m_tiles == 2 else ''}"
+    per warp; ``-split``: FlashAttention-2's split K/V pipeline (one K and one V buffer, two cp.async groups)."""
+    return (
+        f"{cfg.block_m}x{cfg.block_n}{'' if cfg.q_in_regs else 's'}{'/2' if cfg.m_tiles == 2 else ''}"
+        f"{'-split' if cfg.kv_pipeline == 'split' else ''}"
+    )
+
+
+def select(dims, kinds, wanted=None):
+    """The candidates of ``dims`` × ``kinds``; with ``wanted`` (tags or :data:`NAMED`), only those, each once."""
+    cfgs = []
+    for d in dims:
+        for kind in kinds:
+            listed = [T.TCConfig(bm, bn, d, kind, qr, mt, kp) for bm, bn, qr, mt, kp in CANDIDATES.get(d, [])]
+            if wanted is None:
+                cfgs += listed
+                continue
+            default = T.choose_config(d, kind, simulator=False)
+            named = {"default": default, "default-split": dataclasses.replace(default, kv_pipeline="split")}
+            for cfg in [named[w] for w in NAMED if w in wanted] + [c for c in listed if tag(c) in wanted]:
+                if cfg not in cfgs:
+                    cfgs.append(cfg)
+    return cfgs
 
 
 def as_cupy(t: torch.Tensor):
@@ -173,7 +210,11 @@ def main():
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--no-check", action="store_true")
-    ap.add_argument("--configs", help="only these candidates, by tag (e.g. 64x64,128x64s/2); no check-only dims")
+    ap.add_argument(
+        "--configs",
+        help="only these candidates, by tag (e.g. 64x64,128x64s/2,128x64s/2-split) or name (default, default-split); "
+        "no check-only dims",
+    )
     ap.add_argument("--suffix", default="", help="appended to the JSON's file name")
     args = ap.parse_args()
     dtypes = [{"bf16": torch.bfloat16, "fp16": torch.float16}[s] for s in args.dtypes.split(",")]
@@ -187,12 +228,16 @@ def main():
 
     env = environment()
     log(json.dumps(env))
-    cfgs = [T.TCConfig(bm, bn, d, KIND[dt], qr, mt) for d in dims for dt in dtypes for bm, bn, qr, mt in CANDIDATES[d]]
+    kinds = [KIND[dt] for dt in dtypes]
     if args.configs:
         wanted = set(args.configs.split(","))
-        cfgs = [c for c in cfgs if tag(c) in wanted]
+        cfgs = select(dims, kinds, wanted)
+        known = {tag(c) for c in select(dims, kinds)} | set(NAMED)
+        if wanted - known:
+            ap.error(f"--configs: no candidate {sorted(wanted - known)} at D = {dims}; known: {sorted(known)}")
     else:
-        cfgs += [T.choose_config(d, KIND[dt]) for d in CHECK_ONLY if d not in dims for dt in dtypes]
+        cfgs = select(dims, kinds)
+        cfgs += [T.choose_config(d, k) for d in CHECK_ONLY if d not in dims for k in kinds]
     compiled = []
     for cfg in cfgs:
         t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""The FlashAttention forward pass on tensor cores: ``mma.sync`` tiles, ``cp.async`` double buffering.
+"""The FlashAttention forward pass on tensor cores: ``mma.sync`` tiles, ``cp.async`` K/V pipelines.
 
 The same algorithm as the SIMT kernel of :mod:`nbflash.forward` (read that one
 first), with its two matrix products moved onto the tensor cores through the
@@ -17,11 +17,25 @@ shared K/V tiles.  The per-m-tile steps are inline device functions
 (:func:`online_softmax` and friends, inside :func:`forward_tc_kernel`) called
 once per m-tile on its own register arrays.
 
-1. ``cp.async`` the tile Q_i and the first K_0, V_0 into shared memory (one group).
+Two schedules of the K/V copies, a compile-time choice (``TCConfig.kv_pipeline``;
+one loop below, the differences under ``if SPLIT_KV``):
+
+* ``"double"`` (the default): two K and two V buffers; K_{j+1} and V_{j+1}
+  are one ``cp.async`` group that loads during all of tile j's maths.
+* ``"split"``: FlashAttention-2's schedule: one K and one V buffer, each
+  loaded as its own group: V_j during S = Q K_jᵀ, K_{j+1} during the
+  softmax and O += P V_j.  Half the K/V shared memory, each load hidden
+  behind part of an iteration only.
+
+Both have two barriers per key tile.
+
+1. ``cp.async`` the tile Q_i and K_0 (double: and V_0) into shared memory, one group.
 2. For each visible key tile j (causal tiles above the diagonal are skipped):
 
-   a. start the copy of K_{j+1}, V_{j+1} into the other buffer, then wait for
-      tile j (``cp.async.wait_group 1``) — loads overlap the maths of tile j;
+   a. double: start the copy of K_{j+1}, V_{j+1} into the other buffers, wait
+      for tile j (``cp.async.wait_group 1``), barrier.
+      split: wait for K_j (``cp.async.wait_group 0``: the only group in
+      flight), barrier, start the copy of V_j;
    b. (first tile only) ``ldmatrix`` the warp's Q rows into A fragments that
       stay in registers for the whole loop (for large D: re-read per k-step);
    c. ``S = Q_i K_jᵀ``: ``ldmatrix`` (no transpose) of K rows gives the B
@@ -30,10 +44,16 @@ once per m-tile on its own register arrays.
       (g and g + 8) of S, and a row's other values sit in the 3 other lanes of
       its quad — the row max is two ``shfl.bfly`` steps; masking through
       :mod:`nbflash.masking`; ``P = 2^(S · scale · log2 e − m)``, one FFMA and
-      one ``ex2.approx`` per score (the max is taken on the raw scores);
+      one ``ex2.approx`` per score (the max is taken on the raw scores).
+      split, after the mask and before the softmax (where FlashAttention-2
+      has it): wait for V_j (``wait_group 0``), barrier, start the copy of
+      K_{j+1} into the K buffer;
    e. ``O += P V_j``: the accumulator layout of S *is* the A-fragment layout
       of P once packed to 16 bits (FlashAttention-2's register reuse: no
       shuffle, no shared memory); ``ldmatrix.trans`` of V rows gives B.
+      double: barrier, so that no warp still reads the buffers of tile j when
+      tile j + 2 is copied into them.  split: none needed (the barrier of
+      step a of tile j + 1 comes before V_{j+1} is copied).
 
 3. ``O_i = acc / l_i``, ``lse_i = m_i + log l_i`` written once.
 
@@ -45,8 +65,10 @@ block (:func:`shared_bytes`), rows padded by 16 bytes so that ``ldmatrix``'s
 eight row addresses fall in different banks::
 
     Q_i   BLOCK_M × (D_pad + 8)                  2 bytes each
-    K_j   2 buffers × BLOCK_N × (D_pad + 8)
-    V_j   2 buffers × BLOCK_N × (D_pad + 8)      D=64: 128×64 tiles, 54 KB;  D=128: 64×64 tiles, 85 KB
+    K_j   2 buffers (split: 1) × BLOCK_N × (D_pad + 8)
+    V_j   2 buffers (split: 1) × BLOCK_N × (D_pad + 8)
+
+    128 × 64 tiles, double / split:  D = 64: 54 / 36 KB;  D = 128: 102 / 68 KB
 
 On the H200 (``benchmarks/results/tc-forward-*``, ``docs/performance.md``):
 0.86–0.96× FlashAttention-2 at D = 64, 0.66–0.79× at D = 128, bf16 and fp16.
@@ -87,6 +109,9 @@ class TCConfig:
     the shared-memory traffic per product.  ``q_in_regs`` keeps the warp's Q
     fragments in registers for the whole kernel; otherwise they are re-read
     from shared memory for every key tile (fewer registers: large head dims).
+    ``kv_pipeline`` schedules the K/V copies (see the module docstring):
+    ``"double"`` buffers both, ``"split"`` is FlashAttention-2's single K and
+    single V buffer loaded as two ``cp.async`` groups (less shared memory).
     """
 
     block_m: int  # query rows per block: 16 per warp
@@ -95,6 +120,7 @@ class TCConfig:
     input_kind: str  # "float16" or "bfloat16"
     q_in_regs: bool = True
     m_tiles: int = 1  # 16-row m-tiles per warp: 1 or 2
+    kv_pipeline: str = "double"  # "double": 2 K and 2 V buffers; "split": 1 each, K and V separate groups
 
     def __post_init__(self):
         if self.m_tiles not in (1, 2):
@@ -110,6 +136,8 @@ class TCConfig:
             raise ValueError(f"head_dim must be a multiple of 8 up to 256, got {self.head_dim}")
         if self.input_kind not in ("float16", "bfloat16"):
             raise ValueError(f"input_kind must be 'float16' or 'bfloat16', got {self.input_kind!r}")
+        if self.kv_pipeline not in ("double", "split"):
+            raise ValueError(f"kv_pipeline must be 'double' or 'split', got {self.kv_pipeline!r}")
 
     @property
     def warps(self) -> int:
@@ -118,6 +146,11 @@ class TCConfig:
     @property
     def threads(self) -> int:
         return 32 * self.warps
+
+    @property
+    def kv_buffers(self) -> int:
+        """Buffers of K (and of V) in shared memory: two when double buffered, one for the split pipeline."""
+        return 2 if self.kv_pipeline == "double" else 1
 
     @property
     def d_pad(self) -> int:
@@ -131,11 +164,11 @@ class TCConfig:
 
 
 def shared_offsets(cfg: TCConfig) -> tuple[int, int, int]:
-    """Element offsets of the two K buffers and of the two V buffers (Q_i starts at 0), and the end."""
+    """Element offsets of the K buffers and of the V buffers (Q_i starts at 0), and the end."""
     q_off = 0
     k_off = q_off + cfg.block_m * cfg.pitch  # Q_i
-    v_off = k_off + 2 * cfg.block_n * cfg.pitch  # K_j, two buffers
-    end = v_off + 2 * cfg.block_n * cfg.pitch  # V_j, two buffers
+    v_off = k_off + cfg.kv_buffers * cfg.block_n * cfg.pitch  # K_j: two buffers, or one (split)
+    end = v_off + cfg.kv_buffers * cfg.block_n * cfg.pitch  # V_j: two buffers, or one (split)
     return k_off, v_off, end
 
 
@@ -152,8 +185,9 @@ def forward_tc_kernel(cfg: TCConfig):
     THREADS, PITCH = cfg.threads, cfg.pitch
     Q_IN_REGS, TWO = cfg.q_in_regs, cfg.m_tiles == 2  # TWO: each warp owns a second m-tile, 16 rows below
     WARP_ROWS = 16 * cfg.m_tiles
+    SPLIT_KV = cfg.kv_pipeline == "split"  # FlashAttention-2's single K and V buffers, two cp.async groups per tile
     K_OFF, V_OFF, _ = shared_offsets(cfg)
-    KV_STRIDE = BLOCK_N * PITCH  # elements from one K (or V) buffer to the other
+    KV_STRIDE = BLOCK_N * PITCH  # elements from one K (or V) buffer to the other (double buffering)
     CHUNKS = D_PAD // 8  # 16-byte chunks per shared row ...
     DATA_CHUNKS = D // 8  # ... of which these hold data (the rest is zero padding)
     N_TILES = BLOCK_N // 8  # 8-key column tiles of S
@@ -371,13 +405,14 @@ def forward_tc_kernel(cfg: TCConfig):
             init_rows(m1, l1, acc1)
         scale_log2 = numba.float32(qk_scale_log2)
 
-        # Step 1: Q_i and the first K/V tile, one cp.async group.
+        # Step 1: Q_i and K_0 (double: and V_0), one cp.async group.
         _, k_end = d_key_range(q_start, BLOCK_M, seqlen_q, seqlen_k, causal)
         n_tiles = (k_end + BLOCK_N - 1) // BLOCK_N
         load_q(smem, 0, q, b, h, q_start, seqlen_q, tid)
         if n_tiles > 0:
             load_kv(smem, K_OFF, k, b, h, 0, seqlen_k, tid)
-            load_kv(smem, V_OFF, v, b, h, 0, seqlen_k, tid)
+            if not SPLIT_KV:
+                load_kv(smem, V_OFF, v, b, h, 0, seqlen_k, tid)
         I.cp_async_commit()
 
         # This lane's ldmatrix addresses (see nbflash.intrinsics), as offsets inside a tile.
@@ -389,14 +424,23 @@ def forward_tc_kernel(cfg: TCConfig):
 
         for j in range(n_tiles):
             k_start = j * BLOCK_N
-            buf = j % 2
-            # Step 2a: prefetch tile j + 1 into the other buffer, then wait for tile j.
-            if j + 1 < n_tiles:
-                load_kv(smem, K_OFF + (1 - buf) * KV_STRIDE, k, b, h, k_start + BLOCK_N, seqlen_k, tid)
-                load_kv(smem, V_OFF + (1 - buf) * KV_STRIDE, v, b, h, k_start + BLOCK_N, seqlen_k, tid)
-            I.cp_async_commit()  # possibly empty: keeps "wait for all but the newest group" uniform
-            I.cp_async_wait(1)
-            cuda.syncthreads()  # every thread's copies of tile j (and Q) are visible
+            buf = 0 if SPLIT_KV else j % 2
+            if SPLIT_KV:
+                # Step 2a (split): wait for K_j, then start V_j; it loads while S = Q K_jᵀ is computed.
+                I.cp_async_wait(0)  # K_j's group (with Q_i's at j = 0) is the only one in flight
+                # Every thread's copies of K_j (and Q_i) are visible; and every warp has finished O += P V_{j-1},
+                # so the V buffer may be refilled (this is the only barrier between that read and this copy).
+                cuda.syncthreads()
+                load_kv(smem, V_OFF, v, b, h, k_start, seqlen_k, tid)
+                I.cp_async_commit()
+            else:
+                # Step 2a (double): prefetch tile j + 1 into the other buffer, then wait for tile j.
+                if j + 1 < n_tiles:
+                    load_kv(smem, K_OFF + (1 - buf) * KV_STRIDE, k, b, h, k_start + BLOCK_N, seqlen_k, tid)
+                    load_kv(smem, V_OFF + (1 - buf) * KV_STRIDE, v, b, h, k_start + BLOCK_N, seqlen_k, tid)
+                I.cp_async_commit()  # possibly empty: keeps "wait for all but the newest group" uniform
+                I.cp_async_wait(1)
+                cuda.syncthreads()  # every thread's copies of tile j (and Q) are visible
 
             # Step 2b: the warp's Q rows into registers, once (for large D: per k-step, in 2c).
             if Q_IN_REGS and j == 0:
@@ -428,6 +472,15 @@ def forward_tc_kernel(cfg: TCConfig):
                 mask_scores(S0, row0, k_start, seqlen_q, seqlen_k, causal, g, t)
                 if TWO:
                     mask_scores(S1, row0 + 16, k_start, seqlen_q, seqlen_k, causal, g, t)
+            if SPLIT_KV:
+                # Step 2d (split): wait for V_j, then start K_{j+1}; it loads during the softmax and O += P V_j.
+                I.cp_async_wait(0)  # V_j's group is the only one in flight
+                # Every thread's copies of V_j are visible; and every warp has finished reading K_j (S above), so
+                # the K buffer may be refilled.
+                cuda.syncthreads()
+                if j + 1 < n_tiles:
+                    load_kv(smem, K_OFF, k, b, h, k_start + BLOCK_N, seqlen_k, tid)
+                    I.cp_async_commit()
             online_softmax(S0, acc0, m0, l0, scale_log2)
             if TWO:
                 online_softmax(S1, acc1, m1, l1, scale_log2)
@@ -435,8 +488,11 @@ def forward_tc_kernel(cfg: TCConfig):
             # Step 2e: O += P V_j; the accumulator layout of S *is* P's A-fragment layout (FlashAttention-2).
             v_base = V_OFF + buf * KV_STRIDE + v_lane
             pv_product(acc0, acc1, S0, S1, P0, P1, smem, v_base, 0, PV_SPLIT)
-            pv_product(acc0, acc1, S0, S1, P0, P1, smem, v_base, PV_SPLIT, PV_STEPS)  # empty unless split (PV_SPLIT)
-            cuda.syncthreads()  # everyone is done with buffer `buf` before iteration j + 1 refills it
+            pv_product(acc0, acc1, S0, S1, P0, P1, smem, v_base, PV_SPLIT, PV_STEPS)  # empty unless PV_SPLIT < PV_STEPS
+            if not SPLIT_KV:
+                cuda.syncthreads()  # everyone is done with buffer `buf` before iteration j + 1 refills it
+            # (split: no barrier here.  V_{j+1} is copied only after the first barrier of iteration j + 1, which
+            # every warp reaches after this O += P V_j; K_{j+1} is already loading, K_j being read no more.)
 
         I.cp_async_wait_all()  # nothing left in flight (only Q's group when no key tile was visible)
 
@@ -475,6 +531,10 @@ def choose_config(
       / 249 at D = 128); the two-m-tile 128 × 32 is within 2 %.
     * D > 128: 64 × 32 tiles with Q re-read from shared memory, so that S, P
       and O (128 registers at D = 256) still fit.
+
+    Every choice keeps the double-buffered K/V pipeline; FlashAttention-2's
+    split pipeline (``kv_pipeline="split"``: 68 KB instead of 102 at D = 128)
+    is a sweep candidate (``--configs default,default-split``) not yet timed.
 
     In the simulator, 2 warps and 16-key tiles keep the Python threads few
     while small sequences still cross tile edges.

@@ -4,13 +4,17 @@ In the simulator the tiles are 32 queries (2 warps) × 16 keys, so short odd
 sequences cross every edge: ragged query and key tiles, causal diagonals in
 both directions, rows that see no key.  The error must stay within twice that
 of a naive attention in the same 16-bit precision (the flash-attn rule).
-Without a GPU, every GPU configuration (and the sweep candidates of
-``EXTRA_TARGETS``) is compiled and assembled for sm_90, with nothing in local
-memory and no spills.
+Both K/V pipelines (``kv_pipeline="double"``, the default, and FlashAttention-2's
+``"split"``) go through the same checks; their copies and barriers do not
+depend on the element type, so the split pipeline's odd-size matrix runs in one
+of the two.  Without a GPU, every GPU configuration (and the sweep candidates
+of ``EXTRA_TARGETS``) is compiled and assembled for sm_90, with nothing in
+local memory and no spills.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -90,48 +94,71 @@ def run_and_check(xp, rng, n_q, n_k, d, kind, causal, cfg=None, layout="bhsd", b
 
 # Simulator tiles: 32 queries × 16 keys.
 SEQLENS = [(1, 1), (17, 20), (33, 16), (40, 7), (7, 40)]
+# (kind, kv_pipeline): the default pipeline in both kinds, the split one in one (its copies are kind-blind).
+KIND_PIPELINES = [("float16", "double"), ("bfloat16", "double"), ("bfloat16", "split")]
+
+
+def with_pipeline(cfg, kv_pipeline):
+    return dataclasses.replace(cfg, kv_pipeline=kv_pipeline)
 
 
 @pytest.mark.parametrize("n_q,n_k", SEQLENS)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
-def test_forward_tc_matches_reference(xp, rng, n_q, n_k, causal, kind):
-    run_and_check(xp, rng, n_q, n_k, 64, kind, causal)
+@pytest.mark.parametrize("kind,kv_pipeline", KIND_PIPELINES)
+def test_forward_tc_matches_reference(xp, rng, n_q, n_k, causal, kind, kv_pipeline):
+    cfg = with_pipeline(F.choose_config(64, kind), kv_pipeline)
+    run_and_check(xp, rng, n_q, n_k, 64, kind, causal, cfg=cfg)
 
 
-def test_forward_tc_bshd_strided_views(xp, rng):
-    run_and_check(xp, rng, 19, 23, 64, "float16", True, layout="bshd", batch=2, heads=1)
+@pytest.mark.parametrize("kv_pipeline", ["double", "split"])
+def test_forward_tc_bshd_strided_views(xp, rng, kv_pipeline):
+    cfg = with_pipeline(F.choose_config(64, "float16"), kv_pipeline)
+    run_and_check(xp, rng, 19, 23, 64, "float16", True, cfg=cfg, layout="bshd", batch=2, heads=1)
 
 
-@pytest.mark.parametrize("d,q_in_regs", [(24, True), (40, False)])
-def test_forward_tc_padded_head_dims(xp, rng, d, q_in_regs):
+@pytest.mark.parametrize("d,q_in_regs,kv_pipeline", [(24, True, "double"), (40, False, "double"), (40, False, "split")])
+def test_forward_tc_padded_head_dims(xp, rng, d, q_in_regs, kv_pipeline):
     """D not a multiple of 16: zero padding columns in shared memory, never written back; Q from registers or
     re-read from shared memory."""
-    cfg = F.TCConfig(32, 16, d, "bfloat16", q_in_regs=q_in_regs)
+    cfg = F.TCConfig(32, 16, d, "bfloat16", q_in_regs=q_in_regs, kv_pipeline=kv_pipeline)
     run_and_check(xp, rng, 21, 35, d, "bfloat16", True, cfg=cfg, heads=1)
 
 
+@pytest.mark.parametrize("kv_pipeline", ["double", "split"])
 @pytest.mark.parametrize("kind", ["float16", "bfloat16"])
-def test_forward_tc_two_m_tiles_per_warp(xp, rng, kind):
+def test_forward_tc_two_m_tiles_per_warp(xp, rng, kind, kv_pipeline):
     """FlashAttention-2's warp layout: 2 warps × 2 m-tiles of 16 rows, every K/V fragment feeding both."""
-    cfg = F.TCConfig(64, 16, 32, kind, m_tiles=2)
+    cfg = F.TCConfig(64, 16, 32, kind, m_tiles=2, kv_pipeline=kv_pipeline)
     run_and_check(xp, rng, 70, 37, 32, kind, True, cfg=cfg, heads=1)
 
 
-@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
-def test_forward_tc_pv_in_two_loop_nests(xp, rng, kind):
+@pytest.mark.parametrize("kind,kv_pipeline", KIND_PIPELINES)
+def test_forward_tc_pv_in_two_loop_nests(xp, rng, kind, kv_pipeline):
     """One warp of FlashAttention-2's D = 128 layout (2 m-tiles, 64 keys, Q re-read from shared memory): 128
     products per key tile in O += P V, so they run as two loop nests over the two halves of the keys."""
-    cfg = F.TCConfig(32, 64, 128, kind, q_in_regs=False, m_tiles=2)
+    cfg = F.TCConfig(32, 64, 128, kind, q_in_regs=False, m_tiles=2, kv_pipeline=kv_pipeline)
     run_and_check(xp, rng, 45, 101, 128, kind, True, cfg=cfg, heads=1)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kv_pipeline", ["double", "split"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_forward_tc_gpu_configuration(xp, rng, d):
-    """The tiles the GPU would use (4 warps; 64 or 32 keys), at a size that crosses them."""
-    cfg = F.choose_config(d, "bfloat16", simulator=False)
+def test_forward_tc_gpu_configuration(xp, rng, d, kv_pipeline):
+    """The tiles the GPU would use (4 warps; 64 or 32 keys), at a size that crosses them; in both pipelines."""
+    cfg = with_pipeline(F.choose_config(d, "bfloat16", simulator=False), kv_pipeline)
     run_and_check(xp, rng, 70, cfg.block_n + 5, d, "bfloat16", True, cfg=cfg, heads=1)
+
+
+def test_split_pipeline_shared_memory():
+    """One K and one V buffer instead of two each: FlashAttention-2's 128 x 64 tiles need 68 KB at D = 128
+    (102 KB double buffered) and 36 KB at D = 64 (54 KB)."""
+    for d, double_kb, split_kb in ((64, 54, 36), (128, 102, 68)):
+        cfg = F.TCConfig(128, 64, d, "float16", q_in_regs=d == 64, m_tiles=2)
+        split = with_pipeline(cfg, "split")
+        assert (F.shared_bytes(cfg), F.shared_bytes(split)) == (double_kb * 1024, split_kb * 1024)
+        assert F.shared_bytes(cfg) - F.shared_bytes(split) == 2 * 64 * cfg.pitch * 2  # one K and one V buffer
+    with pytest.raises(ValueError, match="kv_pipeline"):
+        F.TCConfig(32, 16, 64, "float16", kv_pipeline="triple")
 
 
 def test_can_implement_rejects_misaligned_rows():
@@ -153,8 +180,12 @@ def test_can_implement_rejects_misaligned_rows():
 
 
 # Sweep candidates (benchmarks/tc_sweep.py) that are not defaults but must stay in registers too:
-# (block_m, block_n, head_dim, q_in_regs, m_tiles), each in float16 and bfloat16.
-EXTRA_TARGETS = [(64, 64, 128, True, 1)]  # the D = 128 default before FA2's 128 x 64 fitted
+# (block_m, block_n, head_dim, q_in_regs, m_tiles, kv_pipeline), each in float16 and bfloat16.
+EXTRA_TARGETS = [
+    (64, 64, 128, True, 1, "double"),  # the D = 128 default before FA2's 128 x 64 fitted
+    (128, 64, 64, True, 2, "split"),  # the D = 64 and D = 128 defaults in FlashAttention-2's split K/V pipeline
+    (128, 64, 128, False, 2, "split"),
+]
 
 _PTX_SCRIPT = r"""
 import json, re, sys
@@ -163,8 +194,8 @@ from nbflash._device import SIMULATOR, compile_ptx_offline
 assert not SIMULATOR
 from cuda.bindings import nvjitlink
 part, parts = int(sys.argv[1]), int(sys.argv[2])
-extra = [F.TCConfig(bm, bn, d, kind, q_in_regs=qr, m_tiles=mt)
-         for bm, bn, d, qr, mt in json.loads(sys.argv[3]) for kind in ("float16", "bfloat16")]
+extra = [F.TCConfig(bm, bn, d, kind, q_in_regs=qr, m_tiles=mt, kv_pipeline=kp)
+         for bm, bn, d, qr, mt, kp in json.loads(sys.argv[3]) for kind in ("float16", "bfloat16")]
 targets = F.compile_targets() + [("flash_forward_tc", c, F.forward_tc_kernel(c), F.kernel_signature(c), True)
                                  for c in extra]
 for i, (name, cfg, kern, sig, fastmath) in enumerate(targets):
@@ -182,6 +213,7 @@ for i, (name, cfg, kern, sig, fastmath) in enumerate(targets):
     print(json.dumps(dict(config=repr(cfg), head_dim=cfg.head_dim, block_n=cfg.block_n, m_tiles=cfg.m_tiles,
                           local=len(re.findall(r"\b(?:ld|st)\.local\b", ptx)),
                           regs=int(re.search(r"[Uu]sed (\d+) registers", log).group(1)),
+                          shared=F.shared_bytes(cfg), kv_pipeline=cfg.kv_pipeline,
                           spill_bytes=int(spills.group(1)) + int(spills.group(2)),
                           stack=int(re.search(r"(\d+) bytes stack frame", log).group(1)),
                           mma=ptx.count("mma.sync.aligned.m16n8k16"), ldmatrix=ptx.count("ldmatrix.sync"),
