@@ -247,29 +247,16 @@ def compile_targets(cand: Candidate, deterministic: bool) -> list[tuple[str, Til
 
 def compile_offline(cand: Candidate, deterministic: bool) -> list[dict[str, Any]]:
     """Compile to PTX (NVVM) and link for sm_90 (nvJitLink runs ptxas): registers, spills, stack per kernel."""
-    from cuda.bindings import nvjitlink
-
-    from nbflash._device import compile_ptx_offline
+    from nbflash._device import compile_ptx_offline, ptxas_info
 
     rows = []
     for name, tile, kern, sig in compile_targets(cand, deterministic):
         t0 = time.perf_counter()
         opts = dict(launch_bounds=(tile.threads, tile.min_blocks)) if tile.min_blocks else {}
         ptx = compile_ptx_offline(kern.py_func, sig, cc=(9, 0), fastmath=True, **opts)
-        handle = nvjitlink.create(2, ["-arch=sm_90", "-verbose"])
-        data = ptx.encode()
-        nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel.ptx")
-        nvjitlink.complete(handle)
-        log = bytearray(nvjitlink.get_info_log_size(handle))
-        nvjitlink.get_info_log(handle, log)
-        nvjitlink.destroy(handle)
-        log = log.decode()
-        regs = re.search(r"[Uu]sed (\d+) registers", log)
-        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-        stack = re.search(r"(\d+) bytes stack frame", log)
-        rows.append(dict(spec=cand.spec, kernel=name, regs=int(regs.group(1)) if regs else None,
-                         spill_bytes=int(spill.group(1)) + int(spill.group(2)) if spill else None,
-                         stack=int(stack.group(1)) if stack else None, threads=tile.threads,
+        info = ptxas_info(ptx, "sm_90")  # nvJitLink runs ptxas; ImportError without cuda.bindings
+        rows.append(dict(spec=cand.spec, kernel=name, regs=info["registers"], spill_bytes=info["spill_bytes"],
+                         stack=info["stack_bytes"], threads=tile.threads,
                          seconds=round(time.perf_counter() - t0, 1)))
     return rows
 

@@ -18,6 +18,9 @@ from here, so three things are decided once:
 * **Numba-CUDA internals.** Raising a kernel's dynamic shared-memory limit and
   compiling to PTX without a GPU need calls numba-cuda has no public API for;
   they live in :func:`set_max_dynamic_shared` and :func:`compile_ptx_offline`.
+* **ptxas without a GPU.** :func:`ptxas_info` assembles PTX through nvJitLink
+  and reads registers, spills and stack from ptxas' log
+  (:func:`parse_ptxas_log`), for the offline compile tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import functools
 import hashlib
 import io
 import os
+import re
 import sys
 import threading
 import warnings
@@ -75,6 +79,9 @@ __all__ = [
     "is_available",
     "set_max_dynamic_shared",
     "compile_ptx_offline",
+    "parse_ptxas_log",
+    "ptxas_info",
+    "PtxasError",
     "disk_cache_enabled",
     "disk_cache_stats",
     "numba",
@@ -640,3 +647,115 @@ def compile_ptx_offline(pyfunc, signature, cc=(9, 0), **options) -> str:
     with _pretend_device(cc):
         ptx, _ = cuda.compile_ptx(pyfunc, signature, cc=cc, **options)
     return ptx
+
+
+# --------------------------------------------------------------------------
+# ptxas through nvJitLink: registers, spills and stack of compiled PTX, no GPU.
+# --------------------------------------------------------------------------
+
+_USED_REGISTERS = re.compile(r"[Uu]sed (\d+) registers([^\n]*)")
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_STACK = re.compile(r"(\d+) bytes stack frame")
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+
+
+def parse_ptxas_log(log: str) -> dict:
+    """Registers, spills, stack and shared memory from a ``ptxas -verbose`` info log.
+
+    The log nvJitLink returns looks like this (then a linker summary, whose
+    ``used … registers`` line comes after ptxas' and whose ``smem`` on sm_90
+    includes the 1 KB the system reserves)::
+
+        ptxas info    : Compiling entry function 'add_one' for 'sm_90'
+        ptxas info    : Function properties for add_one
+        ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+        ptxas info    : Used 8 registers, used 1 barriers, 256 bytes smem
+
+    Each field is read from its *first* occurrence, i.e. ptxas' report of the
+    first function in the module (nbflash's PTX holds one kernel).  Returns
+    ``registers``, ``spill_stores``, ``spill_loads``, ``spill_bytes`` (stores +
+    loads), ``stack_bytes``, ``shared_bytes`` (static shared memory; 0 when the
+    registers line names none), ``barriers`` and ``function`` (the entry's
+    name); a field the log does not have is None.  ``log`` is the text itself.
+    """
+    used = _USED_REGISTERS.search(log)
+    spills = _SPILLS.search(log)
+    stack = _STACK.search(log)
+    entry = _ENTRY.search(log)
+    rest = used.group(2) if used else ""
+    smem = re.search(r"(\d+) bytes smem", rest)
+    barriers = re.search(r"used (\d+) barriers", rest)
+    return {
+        "registers": int(used.group(1)) if used else None,
+        "spill_stores": int(spills.group(1)) if spills else None,
+        "spill_loads": int(spills.group(2)) if spills else None,
+        "spill_bytes": int(spills.group(1)) + int(spills.group(2)) if spills else None,
+        "stack_bytes": int(stack.group(1)) if stack else None,
+        "shared_bytes": (int(smem.group(1)) if smem else 0) if used else None,
+        "barriers": (int(barriers.group(1)) if barriers else 0) if used else None,
+        "function": entry.group(1) if entry else None,
+        "log": log,
+    }
+
+
+class PtxasError(RuntimeError):
+    """ptxas (through nvJitLink) refused the PTX, or its log could not be read; ``.log`` has its output."""
+
+    def __init__(self, message: str, log: str):
+        super().__init__(message)
+        self.log = log
+
+
+def ptxas_info(ptx: str, arch: str = "sm_90", *, check: bool = True) -> dict:
+    """Assemble ``ptx`` for ``arch`` (``"sm_80"``, ``"sm_90"``, ``"sm_90a"``…) with ptxas, through nvJitLink.
+
+    Needs no GPU and no driver, only the ``cuda.bindings`` package (imported
+    here, not at module load); without it this raises :class:`ImportError`, so
+    a test calls ``pytest.importorskip("cuda.bindings.nvjitlink")`` first.
+
+    Returns :func:`parse_ptxas_log`'s fields of the ``-verbose`` log, plus
+    ``ok`` (ptxas accepted the PTX), ``error_log`` (nvJitLink's error log when
+    it did not, else ``""``) and ``cubin`` (the linked cubin's bytes, or None).
+    When ptxas refuses the PTX, ``check=True`` raises :class:`PtxasError`;
+    ``check=False`` returns ``ok=False`` with the error log appended to ``log``
+    and the other fields as far as the log has them.  A successful link whose
+    log lacks the registers, spill or stack-frame line raises
+    :class:`PtxasError` either way, so a changed log format cannot pass as None.
+    """
+    from cuda.bindings import nvjitlink
+
+    options = [f"-arch={arch}", "-verbose"]
+    handle = nvjitlink.create(len(options), options)
+    try:
+        data = ptx.encode()
+        try:  # ptxas runs in add_data (or in complete)
+            nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel.ptx")
+            nvjitlink.complete(handle)
+            ok = True
+        except nvjitlink.nvJitLinkError:
+            ok = False
+        buf = bytearray(nvjitlink.get_info_log_size(handle))
+        nvjitlink.get_info_log(handle, buf)
+        log = buf.decode(errors="replace").rstrip("\0")
+        error_log, cubin = "", None
+        if ok:
+            buf = bytearray(nvjitlink.get_linked_cubin_size(handle))
+            nvjitlink.get_linked_cubin(handle, buf)
+            cubin = bytes(buf)
+        else:
+            buf = bytearray(nvjitlink.get_error_log_size(handle))
+            nvjitlink.get_error_log(handle, buf)
+            error_log = buf.decode(errors="replace").rstrip("\0")
+    finally:
+        nvjitlink.destroy(handle)
+    if not ok:
+        if check:
+            raise PtxasError(f"ptxas refused the PTX for {arch}:\n{error_log[-4000:]}", log + error_log)
+        log += error_log
+    info = parse_ptxas_log(log)
+    info.update(ok=ok, error_log=error_log, cubin=cubin, arch=arch)
+    if ok:
+        missing = [k for k in ("registers", "spill_bytes", "stack_bytes") if info[k] is None]
+        if missing:
+            raise PtxasError(f"no {', '.join(missing)} in ptxas' log for {arch}:\n{log[-4000:]}", log)
+    return info

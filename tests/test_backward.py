@@ -415,26 +415,16 @@ _PTX_SCRIPT = textwrap.dedent(
     r"""
     import json, re, sys, time
     from nbflash import backward as bw
-    from nbflash._device import SIMULATOR, compile_ptx_offline
+    from nbflash._device import SIMULATOR, compile_ptx_offline, ptxas_info
     assert not SIMULATOR
-    try:
-        from cuda.bindings import nvjitlink
-    except ImportError:
-        nvjitlink = None
 
     def ptxas(ptx):
         # nvJitLink runs ptxas for sm_90 without a GPU; its log has registers and spills.
-        h = nvjitlink.create(2, ["-arch=sm_90", "-verbose"])
-        data = ptx.encode()
-        nvjitlink.add_data(h, nvjitlink.InputType.PTX, data, len(data), "kernel.ptx")
-        nvjitlink.complete(h)
-        log = bytearray(nvjitlink.get_info_log_size(h))
-        nvjitlink.get_info_log(h, log)
-        nvjitlink.destroy(h)
-        log = log.decode()
-        regs = int(re.search(r"[Uu]sed (\d+) registers", log).group(1))
-        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-        return regs, int(spills.group(1)) + int(spills.group(2))
+        try:
+            info = ptxas_info(ptx, "sm_90")
+        except ImportError:  # no cuda.bindings: only local memory is checked
+            return None, None
+        return info["registers"], info["spill_bytes"]
 
     configs = []
     for arg in sys.argv[1:]:
@@ -444,7 +434,7 @@ _PTX_SCRIPT = textwrap.dedent(
         t = time.perf_counter()
         ptx = compile_ptx_offline(kern.py_func, sig, cc=(9, 0), fastmath=fastmath)
         seconds = time.perf_counter() - t
-        regs, spills = ptxas(ptx) if nvjitlink is not None else (None, None)
+        regs, spills = ptxas(ptx)
         row = dict(kernel=name, config=f"D_PAD={tile.head_dim_pad} {tile.input_kind} {tile.block_m}x{tile.block_n}",
                    seconds=round(seconds, 2), local=len(re.findall(r"\b(?:ld|st)\.local\b", ptx)),
                    regs=regs, spill_bytes=spills, barriers=ptx.count("bar.sync"), entry=".entry" in ptx)

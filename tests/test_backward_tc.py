@@ -240,28 +240,19 @@ def test_config_and_can_implement():
 _PTX_SCRIPT = r"""
 import json, re, sys
 from nbflash import backward_tc as T
-from nbflash._device import SIMULATOR, compile_ptx_offline
+from nbflash._device import SIMULATOR, compile_ptx_offline, ptxas_info
 assert not SIMULATOR
-from cuda.bindings import nvjitlink
 part, parts = int(sys.argv[1]), int(sys.argv[2])
 jobs = [(cc, target) for cc in (80, 90) for target in T.compile_targets(divmod(cc, 10))]
 for i, (cc, (name, cfg, kern, sig, fastmath)) in enumerate(jobs):
     if i % parts != part:
         continue
     ptx = compile_ptx_offline(kern.py_func, sig, cc=divmod(cc, 10), fastmath=fastmath)
-    h = nvjitlink.create(2, [f"-arch=sm_{cc}", "-verbose"])
-    nvjitlink.add_data(h, nvjitlink.InputType.PTX, ptx.encode(), len(ptx.encode()), "kernel.ptx")
-    nvjitlink.complete(h)
-    log = bytearray(nvjitlink.get_info_log_size(h))
-    nvjitlink.get_info_log(h, log)
-    nvjitlink.destroy(h)
-    log = log.decode()
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    info = ptxas_info(ptx, f"sm_{cc}")
     print(json.dumps(dict(kernel=name, sm=cc, head_dim=cfg.head_dim, kind=cfg.input_kind,
                           block_m=cfg.block_m, block_n=cfg.block_n, vector_red=cfg.vector_red,
                           local=len(re.findall(r"\b(?:ld|st)\.local\b", ptx)),
-                          regs=int(re.search(r"[Uu]sed (\d+) registers", log).group(1)),
-                          spill_bytes=int(spills.group(1)) + int(spills.group(2)),
+                          regs=info["registers"], spill_bytes=info["spill_bytes"],
                           mma=ptx.count("mma.sync.aligned.m16n8k16"),
                           atom=len(re.findall(r"\batom\.", ptx)),
                           red=len(re.findall(r"\bred\.global\.add\.f32", ptx)),

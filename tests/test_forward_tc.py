@@ -190,9 +190,8 @@ EXTRA_TARGETS = [
 _PTX_SCRIPT = r"""
 import json, re, sys
 from nbflash import forward_tc as F
-from nbflash._device import SIMULATOR, compile_ptx_offline
+from nbflash._device import SIMULATOR, compile_ptx_offline, ptxas_info
 assert not SIMULATOR
-from cuda.bindings import nvjitlink
 part, parts = int(sys.argv[1]), int(sys.argv[2])
 extra = [F.TCConfig(bm, bn, d, kind, q_in_regs=qr, m_tiles=mt, kv_pipeline=kp)
          for bm, bn, d, qr, mt, kp in json.loads(sys.argv[3]) for kind in ("float16", "bfloat16")]
@@ -202,20 +201,11 @@ for i, (name, cfg, kern, sig, fastmath) in enumerate(targets):
     if i % parts != part:
         continue
     ptx = compile_ptx_offline(kern.py_func, sig, cc=(9, 0), fastmath=fastmath)
-    h = nvjitlink.create(2, ["-arch=sm_90", "-verbose"])
-    nvjitlink.add_data(h, nvjitlink.InputType.PTX, ptx.encode(), len(ptx.encode()), "kernel.ptx")
-    nvjitlink.complete(h)
-    log = bytearray(nvjitlink.get_info_log_size(h))
-    nvjitlink.get_info_log(h, log)
-    nvjitlink.destroy(h)
-    log = log.decode()
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    info = ptxas_info(ptx, "sm_90")
     print(json.dumps(dict(config=repr(cfg), head_dim=cfg.head_dim, block_n=cfg.block_n, m_tiles=cfg.m_tiles,
                           local=len(re.findall(r"\b(?:ld|st)\.local\b", ptx)),
-                          regs=int(re.search(r"[Uu]sed (\d+) registers", log).group(1)),
+                          regs=info["registers"], spill_bytes=info["spill_bytes"], stack=info["stack_bytes"],
                           shared=F.shared_bytes(cfg), kv_pipeline=cfg.kv_pipeline,
-                          spill_bytes=int(spills.group(1)) + int(spills.group(2)),
-                          stack=int(re.search(r"(\d+) bytes stack frame", log).group(1)),
                           mma=ptx.count("mma.sync.aligned.m16n8k16"), ldmatrix=ptx.count("ldmatrix.sync"),
                           cp_async=ptx.count("cp.async.cg.shared.global"))), flush=True)
 """

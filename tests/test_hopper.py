@@ -257,45 +257,23 @@ import json, re, sys
 sys.path.insert(0, sys.argv[1])
 import test_hopper as t
 from numba import types
-from nbflash._device import SIMULATOR, compile_ptx_offline
+from nbflash._device import SIMULATOR, compile_ptx_offline, ptxas_info
 assert not SIMULATOR
-from cuda.bindings import nvjitlink
-
-def assemble(ptx, arch):
-    h = nvjitlink.create(2, [f"-arch={arch}", "-verbose"])
-    try:
-        data = ptx.encode()
-        try:  # ptxas runs in add_data (or in complete)
-            nvjitlink.add_data(h, nvjitlink.InputType.PTX, data, len(data), "kernel.ptx")
-            nvjitlink.complete(h)
-            ok = True
-        except nvjitlink.nvJitLinkError:
-            ok = False
-        log = bytearray(nvjitlink.get_info_log_size(h))
-        nvjitlink.get_info_log(h, log)
-        if not ok:
-            err = bytearray(nvjitlink.get_error_log_size(h))
-            nvjitlink.get_error_log(h, err)
-            log += err
-        return ok, log.decode(errors="replace")
-    finally:
-        nvjitlink.destroy(h)
 
 u16, f32 = types.uint16, types.float32
 sig = (types.Array(u16, 2, "C"), types.Array(u16, 2, "C"), types.Array(f32, 2, "C"))
 for kind, n, swizzle in t.OFFLINE:
     ptx = compile_ptx_offline(t.wgmma_kernel(kind, n, swizzle).py_func, sig, cc=(9, 0, "a"))
-    ok, log = assemble(ptx, "sm_90a")
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    row = dict(kind=kind, n=n, swizzle=swizzle, ok=ok, log=log[-2000:],
+    info = ptxas_info(ptx, "sm_90a", check=False)
+    row = dict(kind=kind, n=n, swizzle=swizzle, ok=info["ok"], log=info["log"][-2000:],
                target=re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1),
                wgmma=re.findall(r"wgmma\.[a-z_]+[.a-z0-9_]*", ptx),
                fence_proxy="fence.proxy.async.shared::cta" in ptx,
                local=len(re.findall(r"\b(?:ld|st)\.local\b", ptx)),
-               spill_bytes=int(spills.group(1)) + int(spills.group(2)) if spills else None)
+               spill_bytes=info["spill_bytes"])
     if (kind, n) == ("f16", 8):  # the same PTX retargeted to plain sm_90: ptxas must refuse wgmma
         plain = re.sub(r"^\.target\s+sm_90a", ".target sm_90", ptx, flags=re.M)
-        row["plain_sm90_ok"] = assemble(plain, "sm_90")[0]
+        row["plain_sm90_ok"] = ptxas_info(plain, "sm_90", check=False)["ok"]
     print(json.dumps(row), flush=True)
 """
 

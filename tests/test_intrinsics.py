@@ -582,39 +582,22 @@ import json, os, re, subprocess, sys, tempfile
 sys.path.insert(0, sys.argv[1])
 nvdisasm = sys.argv[2] or None
 import test_intrinsics as t
-from nbflash._device import SIMULATOR, compile_ptx_offline
+from nbflash._device import SIMULATOR, compile_ptx_offline, ptxas_info
 assert not SIMULATOR
-from cuda.bindings import nvjitlink
-
-def assemble(ptx, arch):
-    h = nvjitlink.create(2, [f"-arch={arch}", "-verbose"])
-    data = ptx.encode()
-    nvjitlink.add_data(h, nvjitlink.InputType.PTX, data, len(data), "kernel.ptx")
-    nvjitlink.complete(h)
-    log = bytearray(nvjitlink.get_info_log_size(h))
-    nvjitlink.get_info_log(h, log)
-    cubin = bytearray(nvjitlink.get_linked_cubin_size(h))
-    nvjitlink.get_linked_cubin(h, cubin)
-    nvjitlink.destroy(h)
-    return log.decode(), bytes(cubin)
 
 for name, kern, sig, instructions in t.compile_targets():
     for cc in ((8, 0), (9, 0)):
         ptx = compile_ptx_offline(kern.py_func, sig, cc=cc)
         arch = f"sm_{cc[0]}{cc[1]}"
         if name in t.SM90_ONLY and cc < (9, 0):
-            try:
-                assemble(ptx, arch)
-                refused = False
-            except nvjitlink.nvJitLinkError:
-                refused = True
+            refused = not ptxas_info(ptx, arch, check=False)["ok"]
             print(json.dumps(dict(kernel=name, arch=arch, refused=refused)), flush=True)
             continue
-        log, cubin = assemble(ptx, arch)
-        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        info = ptxas_info(ptx, arch)
+        cubin = info["cubin"]
         row = dict(kernel=name, arch=arch, missing=[i for i in instructions if i not in ptx],
                    local=len(re.findall(r"\b(?:ld|st)\.local\b", ptx)),
-                   spill_bytes=int(spills.group(1)) + int(spills.group(2)), sass=None)
+                   spill_bytes=info["spill_bytes"], sass=None)
         if nvdisasm and cc == (9, 0):
             with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
                 f.write(cubin)
