@@ -3,11 +3,12 @@
     compute-sanitizer --tool memcheck  python benchmarks/sanitize.py
     compute-sanitizer --tool racecheck python benchmarks/sanitize.py
 
-Covers the SIMT forward kernel (fp32 causal with ragged tiles, fp16 bshd with
-a head dim that is not a multiple of 8), the SIMT backward kernels
+Covers the SIMT forward kernel (fp32 causal with ragged tiles, by cp.async
+at D = 64 and D = 128 with seqlen_q ≠ seqlen_k; fp16 bshd with a head dim
+that is not a multiple of 8: plain loads), the SIMT backward kernels
 (deterministic dQ pass and atomic dQ), the tensor-core kernels (forward at
 head dims 40, 64, 128 and 256 — padding, Q in registers or shared memory,
-one and two m-tiles per warp; backward at 64 and 128, both dQ routes), and the
+one and two m-tiles per warp, both K/V pipelines; backward at 64 and 128, both dQ routes), and the
 PyTorch bridge in bfloat16 (forward and backward, tensor cores).
 """
 
@@ -26,6 +27,8 @@ q, k, v, do = (cp.random.standard_normal((1, 2, 200, 64), dtype=cp.float32) for 
 o, lse = nbflash.attention(q, k, v, causal=True, return_lse=True)
 for det in (True, False):
     nbflash.attention_backward(do, q, k, v, o, lse, causal=True, deterministic=det)
+q2 = cp.random.standard_normal((1, 2, 150, 128), dtype=cp.float32)
+nbflash.attention(q2, q2[:, :, :131], q2[:, :, :131], causal=True)  # cp.async copies: ragged K/V, rows with no key
 h = cp.random.standard_normal((1, 77, 2, 36)).astype(cp.float16)
 nbflash.attention(h, h[:, :50], h[:, :50], causal=True, layout="bshd")
 for d in (40, 64, 128, 256):  # tensor cores: ragged tiles, causal, seqlen_q != seqlen_k
