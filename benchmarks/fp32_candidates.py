@@ -18,12 +18,18 @@ configuration meets the target?" (forward ≥ 25, backward ≥ 20 TFLOP/s at N �
 
     mbN  launch bounds asking for N resident blocks per SM     il  head-dim columns in 16-byte runs
     lf   every head's longest tile first (grid order)           xG  G thread groups (dK/dV kernel: 1 or 2)
-    as   forward only: tiles copied by cp.async (``async_copy``), the API's choice for aligned float32
+    as   tiles copied by cp.async (``async_copy``), the API's choice for aligned float32
 
-``fwd/D/default`` is what the API runs on these contiguous float32 inputs (``as``/``lf`` where D is a
-multiple of 4, :func:`nbflash.forward.with_copies`).
+``fwd/D/default`` and ``bwd/D/default`` are what the API runs on these contiguous float32 inputs: where D is a
+multiple of 4 the forward takes ``as``/``lf`` (:func:`nbflash.forward.with_copies`), the backward ``as`` on
+both tiles, with ``mb3`` at D ≤ 64 (:func:`nbflash.backward.with_copies`, :func:`~nbflash.backward.async_variant`).
+To time a backward with plain loads against its cp.async variant, spell the tiles out::
 
-A backward candidate without ``dq…`` keeps the API's dQ tile (it only matters with ``--deterministic``).
+    bwd/64/kv64x32/16x8/dq64x32/16x8            plain loads (the default before cp.async)
+    bwd/64/kv64x32/16x8/as/mb3/dq64x32/16x8/as/mb3   = bwd/64/default
+
+A backward candidate without ``dq…`` keeps the API's dQ tile (it only matters with ``--deterministic``):
+with ``as`` on the dK/dV tile, the API's cp.async dQ tile.
 
 **Shapes** (FlashAttention's benchmark): batch·N = ``--tokens`` (16k), heads·D = ``--width`` (2048),
 N in ``--seqlens`` (2048, 8192), causal and not; the head dims are the candidates' own.
@@ -91,7 +97,8 @@ DEFAULT_PLAN = (
 )
 #: --smoke: configurations small enough for the simulator (a Python thread per CUDA thread).
 SMOKE_PLAN = (
-    "fwd/32/default", "fwd/32/8x8/4x2/il/lf", "fwd/32/8x8/4x2/as", "bwd/32/default", "bwd/32/kv8x8/4x2x2/il/lf",
+    "fwd/32/default", "fwd/32/8x8/4x2/il/lf", "fwd/32/8x8/4x2/as", "bwd/32/default", "bwd/32/kv8x8/4x2x2/il/as",
+    "bwd/32/kv8x8/4x2x2/il/lf",
 )
 TARGET_TFLOPS = {"forward": 25.0, "backward": 20.0}
 FLOP_FACTOR = {"forward": 1.0, "backward": 2.5}
@@ -154,7 +161,7 @@ def parse_candidate(spec: str, simulator: bool = SIMULATOR) -> Candidate:
     kind, head_dim, rest = tokens[0], int(tokens[1]), tokens[2:]
     if rest == ["default"]:
         if kind == "bwd":
-            return Candidate(spec, kind, head_dim, bw.choose_config(head_dim, "float32", simulator=simulator))
+            return Candidate(spec, kind, head_dim, _api_backward(head_dim, simulator))
         cfg = fw.choose_config(head_dim, "float32", simulator=simulator)
         # What the API runs on these (contiguous, aligned) inputs: cp.async copies where rows are 16-byte chunks.
         aligned = head_dim % 4 == 0
@@ -168,22 +175,34 @@ def parse_candidate(spec: str, simulator: bool = SIMULATOR) -> Candidate:
         return Candidate(spec, kind, head_dim, TileConfig(bm, bn, d_pad, input_kind="float32", **first))
     if prefix != "kv":
         raise ValueError(f"{spec!r}: a backward candidate starts with its dK/dV tile, kvKEYSxQUERIES")
-    if "async_copy" in first or "async_copy" in rest:
-        raise ValueError(f"{spec!r}: 'as' (cp.async copies) is a forward flag")
     default_dq = bw.choose_config(head_dim, "float32", simulator=simulator).dq
+    if first.get("async_copy"):
+        default_dq = bw.async_variant(bw.choose_config(head_dim, "float32", simulator=simulator)).dq
     if rest:
         dq_prefix, second, rest = _tile_fields(rest, spec)
         if dq_prefix != "dq" or rest:
             raise ValueError(f"{spec!r}: after the dK/dV tile only a dQ tile, dqQUERIESxKEYS/TXxTY[/flags]")
     else:
         second = dict(a=default_dq.block_m, b=default_dq.block_n, threads_x=default_dq.threads_x,
-                      threads_y=default_dq.threads_y)
+                      threads_y=default_dq.threads_y, async_copy=default_dq.async_copy,
+                      min_blocks=default_dq.min_blocks)
     d_pad = pad_head_dim(head_dim, math.lcm(_pad_step(first), _pad_step(second)))
     keys, queries = first.pop("a"), first.pop("b")
     dkdv = TileConfig(queries, keys, d_pad, input_kind="float32", **first)  # block_m = queries, block_n = keys
     dq_m, dq_n = second.pop("a"), second.pop("b")
     dq = TileConfig(dq_m, dq_n, d_pad, input_kind="float32", **second)
     return Candidate(spec, kind, head_dim, bw.BackwardConfig(dkdv=dkdv, dq=dq))
+
+
+def _api_backward(head_dim: int, simulator: bool) -> bw.BackwardConfig:
+    """The backward configuration the API runs on contiguous float32 inputs of this head dim (aligned: the
+    cp.async variant where the head dim is a multiple of 4 and it fits, as :func:`nbflash.backward.with_copies`)."""
+    cfg = bw.choose_config(head_dim, "float32", simulator=simulator)
+    if head_dim % 4:
+        return cfg
+    copies = bw.async_variant(cfg)
+    ok, _ = _can_implement(Candidate("", "bwd", head_dim, copies))
+    return copies if ok else cfg
 
 
 def _can_implement(cand: Candidate) -> tuple[bool, str]:

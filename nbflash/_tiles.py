@@ -39,7 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import intrinsics as I
-from ._device import SIMULATOR, cuda, device_function, numba, shfl_xor
+from ._device import SIMULATOR, compute_capability, cuda, device_function, numba, shfl_xor
+from ._validate import data_address
 
 #: Element types a kernel can read from global memory.  bfloat16 arrives as its
 #: raw 16 bits (uint16) because CuPy and NumPy have no bfloat16.
@@ -280,7 +281,7 @@ def make_async_tile_loader(cfg: TileConfig):
     while the block computes, and lands once the thread has committed it and
     waited (``cp_async_commit``, ``cp_async_wait_all``) — then a barrier makes
     it visible to the other threads.  Float32 inputs only, ``head_dim`` a
-    multiple of 4 and every row 16-byte aligned (:func:`nbflash.forward.async_copy_ok`).
+    multiple of 4 and every row 16-byte aligned (:func:`async_copy_ok`).
 
     Consecutive threads take consecutive chunks, so a warp reads whole rows.
     A chunk past the end reads nothing (source size 0) from a clamped, valid
@@ -303,6 +304,34 @@ def make_async_tile_loader(cfg: TileConfig):
             I.cp_async_16(dst, u64(offset) + r * u64(pitch) + col, src, (b_u, h_u, src_row, min(col, last_col)), nbytes)
 
     return device_function(load_tile_async)
+
+
+def async_copy_ok(cfg: TileConfig, *arrays, names=("q", "k", "v")) -> tuple[bool, str]:
+    """Can ``cfg`` with ``async_copy`` read these arrays (canonical views or descriptors)?  ``(ok, reason)``.
+
+    ``cp.async`` copies float32 rows in 16-byte chunks
+    (:func:`make_async_tile_loader`): the head dim a multiple of 4, each array
+    contiguous along it, its other strides and its data pointer multiples of
+    16 bytes; and a GPU of compute capability 8.0 or newer (the simulator
+    emulates the instruction).  ``names`` name the arrays in the reason (the
+    forward's q, k, v by default; the backward passes its own).
+    """
+    if cfg.input_kind != "float32":
+        return False, f"cp.async copies float32 tiles as they are; {cfg.input_kind} is converted on load"
+    cc = compute_capability()
+    if cc is not None and cc < (8, 0):
+        return False, f"cp.async needs compute capability 8.0, the device has {cc}"
+    for name, a in zip(names, arrays, strict=True):
+        strides = a.strides
+        if a.shape[-1] % 4:
+            return False, f"{name}'s head dim {a.shape[-1]} is not a multiple of 4 (16-byte chunks)"
+        if strides[-1] != 4:
+            return False, f"{name} is not contiguous along the head dim"
+        if (strides[0] | strides[1] | strides[2]) & 15:
+            return False, f"{name}'s strides {strides} are not multiples of 16 bytes"
+        if data_address(a) & 15:
+            return False, f"{name}'s data pointer is not 16-byte aligned"
+    return True, ""
 
 
 def make_mm_nt(rows: int, cols: int, depth: int, pitch: int, vec: int, acc_kind: str):
@@ -403,6 +432,7 @@ __all__ = [
     "LN2",
     "LOG2E",
     "TileConfig",
+    "async_copy_ok",
     "cuda",
     "d_chunk",
     "grid_shape",

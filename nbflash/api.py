@@ -387,10 +387,11 @@ def backward_arrays(
 
 def plan_backward(head_dim: int, input_kind: str, scale: float, do, q, k, v, o, backend: str = "auto") -> Plan:
     """Choose the backward kernels for validated inputs (canonical views or descriptors): the rule of
-    :func:`plan_forward`, with the tensor-core backward's own constraints (head dim a multiple of 16 up to 128)."""
+    :func:`plan_forward`, with the tensor-core backward's own constraints (head dim a multiple of 16 up to 128).
+    The SIMT kernels copy their tiles by cp.async where the rows allow it (:func:`nbflash.backward.with_copies`)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    simt = _bwd.choose_config(head_dim, input_kind)
+    simt = _bwd.with_copies(_bwd.choose_config(head_dim, input_kind), q, k, v, o, do)
     if backend == "simt":
         return Plan("simt", simt, "requested")
     why, cfg = "", None

@@ -31,12 +31,13 @@ mistaken for the head dim.
    query tile ``i`` that sees some key of the tile (causal tiles with no visible
    pair are skipped, see :func:`nbflash.masking.query_range`):
 
-   a. load ``Q_i, dO_i`` into shared memory, and ``lse2_i, D_i`` into registers;
+   a. load ``Q_i, dO_i`` into shared memory, and ``lse2_i, D_i`` into registers
+      (with ``async_copy`` they stream in during the previous tile, see "Copies");
    b. ``Sᵀ = K_j Q_iᵀ`` and ``Pᵀ = exp2(Sᵀ · scale · log2 e − lse2_i)``, with
       invisible pairs set to 0 (each thread a ``ROWS × COLS`` piece: keys are
       rows, queries columns);
    c. ``dPᵀ = V_j dO_iᵀ`` and ``dSᵀ = Pᵀ ∘ (dPᵀ − D_i)``;
-   d. ``dV_j += Pᵀ dO_i`` and ``dK_j += dSᵀ Q_i`` (``Pᵀ`` and ``dSᵀ`` go
+   d. ``dK_j += dSᵀ Q_i`` and ``dV_j += Pᵀ dO_i`` (``Pᵀ`` and ``dSᵀ`` go
       through shared memory; a row of them stays within one warp);
    e. *atomic variant only:* ``dQ_i += dS K_j`` into a float32 (float64)
       accumulator in global memory with atomic additions — many key blocks add
@@ -54,12 +55,42 @@ mistaken for the head dim.
    ``Q_i, dO_i`` and keep them; ``dQ_i = 0`` in registers.  For every key tile
    ``j`` that some query of the tile sees (:func:`nbflash.masking.key_range`):
    load ``K_j, V_j``; recompute ``S`` and ``P`` as in 1b (now queries are rows);
-   ``dP = dO_i V_jᵀ``; ``dS = P ∘ (dP − D_i)``; ``dQ_i += dS K_j``.  Write
+   ``dP = dO_i V_jᵀ`` (first, with ``async_copy``); ``dS = P ∘ (dP − D_i)``;
+   ``dQ_i += dS K_j``.  Write
    ``dQ_i · scale``.  ``S``, ``P`` and ``dP`` are computed twice in total
    (once per kernel): the price of needing no atomics and no N×N storage.
 
 2'. **Convert**, atomic variant: ``dq = accumulator · scale`` in the caller's
    dtype and layout.
+
+Copies.  By default each tile is loaded by plain loads (converted to the
+accumulator type on the way) before a barrier, and the block waits for them.
+For float32 inputs whose rows are whole, aligned 16-byte chunks the API sets
+``async_copy`` (:func:`with_copies`): ``cp.async`` moves 16-byte chunks
+straight to shared memory while the block computes.  Each schedule below
+orders a tile's products so that the reads of a buffer end before the next
+tile's copy into it must start; "wait" is this thread's copies landing, and
+the barrier after it shows everyone's and frees the buffers read before it::
+
+    dK/dV, one group: Q_i is read first and last (Sᵀ, dK_j), dO_i in between (dPᵀ, dV_j); 3 barriers a tile
+    prologue  copy K_j, V_j, Q_i, dO_i ─ wait ─ barrier
+    tile i    Sᵀ, Pᵀ ─ wait ─ barrier ─ dPᵀ, dSᵀ, dK_j += dSᵀ Q_i ─ barrier ─ copy Q_{i+1} ┐
+              dV_j += Pᵀ dO_i, step 1e ─ wait ─ barrier ─ copy dO_{i+1} ┐ (the next Sᵀ, Pᵀ)
+
+    dK/dV, two groups: both read Q_i and dO_i in both halves of a tile, so they run half a tile
+    apart over a second Q buffer (at D = 128: 199 KB of shared memory instead of 166); 2 barriers a step
+    step t    group 0: Sᵀ = K_j Q_tᵀ, Pᵀ     group 1: dK_j += dSᵀ Q_{t−1}     both: step 1e of tile t − 1
+              ─ wait ─ barrier ─ copy Q_{t+1} into Q_{t−1}'s buffer ┐
+              group 0: dV_j += Pᵀ dO_t     group 1: dPᵀ = V_j dO_tᵀ, dSᵀ
+              ─ wait ─ barrier ─ copy dO_{t+1} ┐ (the next step's first half)
+              (one step more, t = last + 1, finishes the last tile's dK_j)
+
+    dQ: dP first, so V_j is read only at the start of a tile and K_j after it; 2 barriers a tile
+    prologue  copy Q_i, dO_i, V_0 ─ wait ─ barrier ─ copy K_0 ┐
+    tile j    dP = dO_i V_jᵀ ─ wait ─ barrier ─ copy V_{j+1} ┐
+              S, P, dS, dQ_i += dS K_j ─ wait ─ barrier ─ copy K_{j+1} ┐ (the next dP)
+
+(With plain loads: 2 barriers a tile, 3 with the atomic dQ; two groups 3, 4 with it.)
 
 Exponentials are base 2 with the scale folded in, as in the forward.  Inputs
 float16/bfloat16/float32 accumulate in float32; float64 in float64.
@@ -70,15 +101,18 @@ memory per block: :func:`dkdv_shared_bytes` and :func:`dq_shared_bytes`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from . import intrinsics as I
 from ._device import (
     SIMULATOR,
     cuda,
+    device_function,
     kernel,
     launch,
     max_shared_per_block,
@@ -89,8 +123,10 @@ from ._tiles import (
     INPUT_KINDS,
     LOG2E,
     TileConfig,
+    async_copy_ok,
     d_chunk,
     grid_shape,
+    make_async_tile_loader,
     make_block_tile,
     make_d_column,
     make_loader,
@@ -106,6 +142,9 @@ from ._tiles import (
 from ._validate import MAX_HEAD_DIM, array_module
 from .intrinsics import red_add_f32x4
 from .masking import d_key_range, d_query_range, d_row_key_end, d_tile_needs_mask
+
+#: The arrays held to cp.async's alignment rule: q, k, v, do (whose tiles it copies) and o (see :func:`with_copies`).
+COPIED = ("q", "k", "v", "o", "do")
 
 # ----------------------------------------------------------------------------
 # Configurations
@@ -127,21 +166,35 @@ class BackwardConfig:
     dq: TileConfig
 
 
+def _steps_0_and_2p(dq: TileConfig) -> TileConfig:
+    """The tile of the preprocess and convert kernels: ``dq`` without what they do not use (cp.async copies,
+    launch bounds), so that every variant of ``dq`` shares their compiled code."""
+    return dataclasses.replace(dq, async_copy=False, min_blocks=0)
+
+
+def _pipelined(cfg: TileConfig) -> bool:
+    """Does the dK/dV kernel run the two groups half a query tile apart (cp.async, two Q_i buffers)?"""
+    return cfg.async_copy and cfg.groups == 2
+
+
 def dkdv_shared_offsets(cfg: TileConfig) -> tuple[int, int, int, int, int, int, int]:
     """Offsets (elements) of K_j, V_j, Q_i, dO_i, Pᵀ and dSᵀ in the dK/dV kernel's shared buffer, and its end.
 
     Pitches: every tile is read 16 bytes at a time along rows that belong to
     different threads (K_j, V_j, Q_i, dO_i in steps 1b/1c, Pᵀ and dSᵀ in
     1d), so each row gets one spare vector: neighbouring rows then start in
-    different banks, and every row stays 16-byte aligned.
+    different banks, and every row stays 16-byte aligned.  With ``async_copy``
+    and two groups Q_i has two buffers, the second right after the first (see
+    "Copies" in the module docstring): at D = 128, 199 KB instead of 166 KB.
     """
     vec = vector_width(cfg)
     d_pitch = cfg.head_dim_pad + vec
     p_pitch = cfg.block_m + vec
+    q_buffers = 2 if _pipelined(cfg) else 1
     k_off = 0
     v_off = k_off + cfg.block_n * d_pitch  # K_j: BLOCK_N keys
     q_off = v_off + cfg.block_n * d_pitch  # V_j: BLOCK_N keys
-    do_off = q_off + cfg.block_m * d_pitch  # Q_i: BLOCK_M queries
+    do_off = q_off + q_buffers * cfg.block_m * d_pitch  # Q_i: BLOCK_M queries (one or two buffers)
     p_off = do_off + cfg.block_m * d_pitch  # dO_i: BLOCK_M queries
     ds_off = p_off + cfg.block_n * p_pitch  # Pᵀ: BLOCK_N keys × BLOCK_M queries
     end = ds_off + cfg.block_n * p_pitch  # dSᵀ: the same shape
@@ -209,7 +262,9 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
 
     These sizes compile for sm_90 without register spills (checked by
     ``tests/test_backward.py``).  The float32 tiles up to D = 128 were timed
-    on the H200 (``benchmarks/fp32_candidates.py``); the others were not tuned.
+    on the H200 (``benchmarks/fp32_candidates.py``, with plain loads); the
+    others were not tuned.  On aligned float32 inputs the API runs them with
+    cp.async copies (:func:`with_copies`, :func:`async_variant`).
     In the simulator, where each CUDA thread is a Python thread, tiles are
     8 × 8 with 4 × 2 threads.
     """
@@ -280,7 +335,54 @@ def can_implement(cfg: BackwardConfig) -> tuple[bool, str]:
             return False, f"{tile.threads} threads per block exceed 1024"
     if cfg.dq.groups != 1:
         return False, f"the dQ kernels take one thread group, got groups={cfg.dq.groups}"
+    for name, tile in (("dK/dV", kv), ("dQ", cfg.dq)):
+        if tile.async_copy and vector_width(tile) * tile.acc_itemsize != 16:
+            return False, (
+                f"the {name} tiles' rows are not 16-byte aligned in shared memory (cp.async needs it): "
+                f"block_n={tile.block_n} and head_dim_pad={tile.head_dim_pad} must be multiples of 4"
+            )
     return True, ""
+
+
+def async_variant(cfg: BackwardConfig) -> BackwardConfig:
+    """``cfg`` with ``async_copy`` on both kernels' tiles (float32 only): what :func:`with_copies` picks for
+    aligned inputs when it fits.
+
+    The copies' addresses cost registers.  At ``D_PAD ≤ 64`` the 128-thread
+    kernels with plain loads take 128–142 registers, so three blocks share an
+    SM (their shared memory allows three); with cp.async ptxas goes to 214–254
+    and two.  Launch bounds for three blocks per SM (``min_blocks = 3``) keep
+    them at ≤ 168 registers, with no spills (sm_90, ``tests/test_backward.py``).
+    The larger tiles keep their occupancy without them: one block of the
+    two-group dK/dV kernel (shared memory), two of the D = 128 dQ kernel.
+    """
+
+    def copies(tile: TileConfig) -> TileConfig:
+        three = tile.threads == 128 and tile.head_dim_pad <= 64 and not tile.min_blocks
+        return dataclasses.replace(tile, async_copy=True, min_blocks=3 if three else tile.min_blocks)
+
+    return BackwardConfig(dkdv=copies(cfg.dkdv), dq=copies(cfg.dq))
+
+
+def with_copies(cfg: BackwardConfig, q, k, v, o, do) -> BackwardConfig:
+    """``cfg`` with ``async_copy`` where cp.async can copy the tiles and the kernels fit (the API's choice), else
+    ``cfg``.
+
+    float32 inputs whose rows are whole, aligned 16-byte chunks
+    (:func:`nbflash._tiles.async_copy_ok` on q, k, v, o, do) take
+    :func:`async_variant`, provided it can run here (:func:`can_implement`:
+    with two groups the dK/dV kernel's second Q_i buffer must fit).  ``o``
+    is read only by step 0, with plain loads, but is held to the rule too: the
+    API caches a call's kernels under one "every pointer 16-byte aligned" bit
+    (:func:`nbflash._launch.signature_key`), as it does for the tensor-core
+    backward, which checks the same five arrays.
+    """
+    if cfg.dkdv.async_copy or cfg.dkdv.input_kind != "float32":
+        return cfg
+    if not async_copy_ok(cfg.dkdv, q, k, v, o, do, names=COPIED)[0]:
+        return cfg
+    copies = async_variant(cfg)
+    return copies if can_implement(copies)[0] else cfg
 
 
 # ----------------------------------------------------------------------------
@@ -351,6 +453,12 @@ def dkdv_kernel(cfg: TileConfig, atomic_dq: bool = False):
                             (barrier: Pᵀ is complete)
 
     In step 1e each group adds its half of the head dim of ``dQ_i``.
+
+    With ``cfg.async_copy`` the tiles arrive by ``cp.async`` while the block
+    computes, on the schedules of "Copies" in the module docstring: one group
+    streams ``dO_i`` under ``Sᵀ`` and ``Q_{i+1}`` under ``dV_j``; two groups
+    work half a query tile apart (group 1's ``dK_j`` for tile ``i − 1`` beside
+    group 0's ``Sᵀ`` for tile ``i``), over two ``Q_i`` buffers.
     """
     BLOCK_M, BLOCK_N = cfg.block_m, cfg.block_n
     THREADS_X, THREADS_Y, GROUPS = cfg.threads_x, cfg.threads_y, cfg.groups
@@ -362,6 +470,8 @@ def dkdv_kernel(cfg: TileConfig, atomic_dq: bool = False):
     DQ_SHARE = D_PAD // GROUPS  # step 1e: group g adds the dQ columns [g·DQ_SHARE, (g + 1)·DQ_SHARE)
     DQCOLS = DQ_SHARE // THREADS_X  # ... this thread the columns g·DQ_SHARE + dq_column(tx, e)
     ATOMIC_DQ = atomic_dq
+    ASYNC = cfg.async_copy  # tiles by cp.async (see "Copies" in the module docstring)
+    PIPELINED = _pipelined(cfg)  # ... and two groups half a query tile apart, over two Q_i buffers
     # Step 1e adds 16 bytes at once where a thread's dQ columns come in runs of 4 floats.
     RED4 = cfg.acc_kind == "float32" and d_chunk(cfg, DQCOLS) % 4 == 0
     acc_t = numba_type(cfg.acc_kind)
@@ -369,10 +479,13 @@ def dkdv_kernel(cfg: TileConfig, atomic_dq: bool = False):
     K_OFF, V_OFF, Q_OFF, DO_OFF, P_OFF, DS_OFF, _ = (u64(x) for x in dkdv_shared_offsets(cfg))
     VEC = vector_width(cfg)
     D_PITCH, P_PITCH = u64(D_PAD + VEC), u64(BLOCK_M + VEC)
+    Q_TILE = u64(BLOCK_M) * D_PITCH  # one Q_i buffer; query tile i uses buffer i & Q_PARITY
+    Q_PARITY = u64(1 if PIPELINED else 0)
     BLOCK_N_U = u64(BLOCK_N)
     SMEM_ALIGN = None if SIMULATOR else 16  # 16-byte vector loads need 16-byte alignment
 
     load_tile = make_tile_loader(cfg)
+    copy_tile = make_async_tile_loader(cfg) if ASYNC else None
     to_out = make_storer(cfg.input_kind)
     block_tile = make_block_tile(cfg)  # the first key tiles have the most (causal) queries: they start first
     d_column = make_d_column(cfg)
@@ -381,6 +494,74 @@ def dkdv_kernel(cfg: TileConfig, atomic_dq: bool = False):
     # dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i (rows of Pᵀ, dSᵀ times columns of dO_i, Q_i).
     mm_rows = make_mm_nt(ROWS, COLS, D_PAD, int(D_PITCH), VEC, cfg.acc_kind)
     mm_cols = make_mm_nn(ROWS, DCOLS, BLOCK_M, int(P_PITCH), int(D_PITCH), VEC, cfg.acc_kind)
+
+    # The pieces of a query tile that every schedule shares, written once.
+    @device_function
+    def query_vectors(lse2_i, D_i, key_end, lse2, delta, b, h, q_start, seqlen_q, seqlen_k, causal, tx):
+        """Step 1a's registers: lse2_i, D_i and the visible keys [0, key_end) of this thread's query columns."""
+        for c in range(COLS):
+            col = q_start + tx + THREADS_X * c
+            key_end[c] = d_row_key_end(col, seqlen_q, seqlen_k, causal)
+            lse2_i[c] = lse2[b, h, col] if col < seqlen_q else acc_t(math.inf)
+            D_i[c] = delta[b, h, col] if col < seqlen_q else acc_t(0)
+
+    @device_function
+    def store_p(S, smem, lse2_i, key_end, key_row, query_row, q_start, k_start, seqlen_q, seqlen_k, causal, ty,
+                scale_log2):
+        """Step 1b after Sᵀ: Pᵀ = exp2(Sᵀ · scale · log2 e − lse2_i) in ``S``, 0 where the pair is invisible,
+        and this thread's piece of Pᵀ to shared memory."""
+        for r in range(ROWS):
+            for c in range(COLS):
+                S[r, c] = math.exp2(S[r, c] * scale_log2 - lse2_i[c])
+        # Only tiles on the diagonal or a ragged end pay for the mask.
+        if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
+            for r in range(ROWS):
+                key = k_start + ty + THREADS_Y * r
+                for c in range(COLS):
+                    if key >= key_end[c]:
+                        S[r, c] = acc_t(0)  # past a ragged end, or above the causal diagonal
+        for r in range(ROWS):
+            for c in range(COLS):
+                smem[P_OFF + key_row[r] * P_PITCH + query_row[c]] = S[r, c]
+
+    @device_function
+    def store_ds(smem, S, dP, D_i, key_row, query_row):
+        """Step 1c after dPᵀ: this thread's piece of dSᵀ = Pᵀ ∘ (dPᵀ − D_i) to shared memory (Pᵀ from the
+        registers with one group, from shared memory with two)."""
+        for r in range(ROWS):
+            for c in range(COLS):
+                p = S[r, c] if GROUPS == 1 else smem[P_OFF + key_row[r] * P_PITCH + query_row[c]]
+                smem[DS_OFF + key_row[r] * P_PITCH + query_row[c]] = p * (dP[r, c] - D_i[c])
+
+    @device_function
+    def add_dq(dq_accum, smem, b, h, q_start, seqlen_q, dq_row, dq_col, ty):
+        """Step 1e: dQ_i += dS K_j from dSᵀ in shared memory; here a thread owns query rows ty·QROWS + r and
+        (with two groups) columns in its group's half of the head dim."""
+        dQ_part = cuda.local.array((QROWS, DQCOLS), acc_t)
+        ds_m = cuda.local.array(QROWS, acc_t)  # a column of dSᵀ
+        k_e = cuda.local.array(DQCOLS, acc_t)  # a row of K_j
+        for r in range(QROWS):
+            for e in range(DQCOLS):
+                dQ_part[r, e] = acc_t(0)
+        for n in range(BLOCK_N_U):
+            for r in range(QROWS):
+                ds_m[r] = smem[DS_OFF + n * P_PITCH + dq_row[r]]
+            for e in range(DQCOLS):
+                k_e[e] = smem[K_OFF + n * D_PITCH + dq_col[e]]
+            for r in range(QROWS):
+                for e in range(DQCOLS):
+                    dQ_part[r, e] += ds_m[r] * k_e[e]
+        # The accumulator has D_PAD columns: padded ones only ever receive zeros.
+        for r in range(QROWS):
+            row = q_start + ty * QROWS + r
+            if row < seqlen_q:
+                if RED4:
+                    for e in range(0, DQCOLS, 4):
+                        red_add_f32x4(dq_accum, (b, h, row, dq_col[e]), dQ_part[r, e], dQ_part[r, e + 1],
+                                      dQ_part[r, e + 2], dQ_part[r, e + 3])
+                else:
+                    for e in range(DQCOLS):
+                        cuda.atomic.add(dq_accum, (b, h, row, dq_col[e]), dQ_part[r, e])
 
     @kernel(fastmath=cfg.acc_kind == "float32", launch_bounds=(cfg.threads, cfg.min_blocks) if cfg.min_blocks else None)
     def flash_backward_dkdv(q, k, v, do, lse2, delta, dk, dv, dq_accum, qk_scale_log2, scale, causal):
@@ -407,8 +588,12 @@ def dkdv_kernel(cfg: TileConfig, atomic_dq: bool = False):
         smem = cuda.shared.array(0, acc_t, alignment=SMEM_ALIGN)
 
         # K_j and V_j stay in shared memory; dK_j and dV_j in registers.
-        load_tile(smem, K_OFF, D_PITCH, k, b, h, k_start, BLOCK_N, seqlen_k, head_dim, tid)
-        load_tile(smem, V_OFF, D_PITCH, v, b, h, k_start, BLOCK_N, seqlen_k, head_dim, tid)
+        if ASYNC:
+            copy_tile(smem, K_OFF, D_PITCH, k, b, h, k_start, BLOCK_N, seqlen_k, head_dim, tid)
+            copy_tile(smem, V_OFF, D_PITCH, v, b, h, k_start, BLOCK_N, seqlen_k, head_dim, tid)
+        else:
+            load_tile(smem, K_OFF, D_PITCH, k, b, h, k_start, BLOCK_N, seqlen_k, head_dim, tid)
+            load_tile(smem, V_OFF, D_PITCH, v, b, h, k_start, BLOCK_N, seqlen_k, head_dim, tid)
         # With two groups a thread holds one accumulator and one score tile: the
         # names below then share their registers (dV_j is dK_j, S is dP).
         dV_j = cuda.local.array((ROWS, DCOLS), acc_t)
@@ -418,9 +603,6 @@ def dkdv_kernel(cfg: TileConfig, atomic_dq: bool = False):
         lse2_i = cuda.local.array(COLS, acc_t)  # of this thread's query columns
         D_i = cuda.local.array(COLS, acc_t)
         key_end = cuda.local.array(COLS, numba.int64)  # column c sees keys [0, key_end[c])
-        dQ_part = cuda.local.array((QROWS, DQCOLS), acc_t)
-        ds_m = cuda.local.array(QROWS, acc_t)  # a column of dSᵀ (step 1e)
-        k_e = cuda.local.array(DQCOLS, acc_t)  # a row of K_j (step 1e)
         # This thread's rows and columns as unsigned shared-memory indices:
         # Numba adds a negative-index wraparound to every signed index.
         key_row = cuda.local.array(ROWS, u64)  # key ty + THREADS_Y·r: a row of K_j, V_j, Pᵀ, dSᵀ
@@ -439,7 +621,6 @@ def dkdv_kernel(cfg: TileConfig, atomic_dq: bool = False):
         for e in range(DQCOLS):
             dq_col[e] = u64(g * DQ_SHARE + dq_column(tx, e))
         zero = acc_t(0)
-        inf = acc_t(math.inf)
         scale_log2 = acc_t(qk_scale_log2)
         for r in range(ROWS):
             for e in range(DCOLS):
@@ -447,90 +628,114 @@ def dkdv_kernel(cfg: TileConfig, atomic_dq: bool = False):
                 dV_j[r, e] = zero
 
         q_begin, q_end = d_query_range(k_start, BLOCK_N, seqlen_q, seqlen_k, causal)
-        for i in range(q_begin // BLOCK_M, (q_end + BLOCK_M - 1) // BLOCK_M):
-            q_start = i * BLOCK_M
-            # Step 1a: stream Q_i and dO_i through shared memory; lse2_i, D_i to registers.
-            load_tile(smem, Q_OFF, D_PITCH, q, b, h, q_start, BLOCK_M, seqlen_q, head_dim, tid)
-            load_tile(smem, DO_OFF, D_PITCH, do, b, h, q_start, BLOCK_M, seqlen_q, head_dim, tid)
-            for c in range(COLS):
-                col = q_start + tx + THREADS_X * c
-                key_end[c] = d_row_key_end(col, seqlen_q, seqlen_k, causal)
-                lse2_i[c] = lse2[b, h, col] if col < seqlen_q else inf
-                D_i[c] = delta[b, h, col] if col < seqlen_q else zero
-            cuda.syncthreads()  # Q_i, dO_i (and, the first time, K_j, V_j) are complete before anyone reads them
+        i_first, i_last = q_begin // BLOCK_M, (q_end + BLOCK_M - 1) // BLOCK_M
+        if ASYNC:  # the first query tile's Q_i and dO_i stream in with K_j and V_j
+            if i_first < i_last:
+                q_first = i_first * BLOCK_M
+                q_buf = Q_OFF + (u64(i_first) & Q_PARITY) * Q_TILE
+                copy_tile(smem, q_buf, D_PITCH, q, b, h, q_first, BLOCK_M, seqlen_q, head_dim, tid)
+                copy_tile(smem, DO_OFF, D_PITCH, do, b, h, q_first, BLOCK_M, seqlen_q, head_dim, tid)
+            I.cp_async_wait_all()  # this thread's chunks of K_j, V_j, Q_i and dO_i have landed ...
+            cuda.syncthreads()  # ... and everyone's, before anyone reads them
 
-            # Step 1b: Sᵀ = K_j Q_iᵀ, this thread's ROWS × COLS piece (step 1c's dPᵀ = V_j dO_iᵀ with two
-            # groups: group 1 computes it here, into the same registers, in the same instructions).
-            for r in range(ROWS):
-                for c in range(COLS):
-                    S[r, c] = zero
-            mm_rows(S, smem, sk_off, key_row, sq_off, query_row)
-            if p_role:
-                # ... Pᵀ = exp2(Sᵀ · scale · log2 e − lse2_i) ...
+        if not PIPELINED:
+            for i in range(i_first, i_last):
+                q_start = i * BLOCK_M
+                # Step 1a: stream Q_i and dO_i through shared memory; lse2_i, D_i to registers.  (With cp.async
+                # Q_i is already here, and dO_i in flight.)
+                if not ASYNC:
+                    load_tile(smem, Q_OFF, D_PITCH, q, b, h, q_start, BLOCK_M, seqlen_q, head_dim, tid)
+                    load_tile(smem, DO_OFF, D_PITCH, do, b, h, q_start, BLOCK_M, seqlen_q, head_dim, tid)
+                query_vectors(lse2_i, D_i, key_end, lse2, delta, b, h, q_start, seqlen_q, seqlen_k, causal, tx)
+                if not ASYNC:
+                    cuda.syncthreads()  # Q_i, dO_i (and, the first time, K_j, V_j) are complete before anyone reads
+
+                # Step 1b: Sᵀ = K_j Q_iᵀ, this thread's ROWS × COLS piece (step 1c's dPᵀ = V_j dO_iᵀ with two
+                # groups: group 1 computes it here, into the same registers, in the same instructions), then Pᵀ.
                 for r in range(ROWS):
                     for c in range(COLS):
-                        S[r, c] = math.exp2(S[r, c] * scale_log2 - lse2_i[c])
-                # ... 0 where the pair is invisible (only tiles on the diagonal or a ragged end pay for this).
-                if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
+                        S[r, c] = zero
+                mm_rows(S, smem, sk_off, key_row, sq_off, query_row)
+                if p_role:
+                    store_p(S, smem, lse2_i, key_end, key_row, query_row, q_start, k_start, seqlen_q, seqlen_k, causal,
+                            ty, scale_log2)
+
+                # Step 1c: dPᵀ = V_j dO_iᵀ (one group), and dSᵀ = Pᵀ ∘ (dPᵀ − D_i).
+                if GROUPS == 1:
+                    if ASYNC:
+                        I.cp_async_wait_all()  # this thread's chunks of dO_i have landed ...
+                        cuda.syncthreads()  # ... and everyone's, before anyone reads them
                     for r in range(ROWS):
-                        key = k_start + ty + THREADS_Y * r
                         for c in range(COLS):
-                            if key >= key_end[c]:
-                                S[r, c] = zero  # past a ragged end, or above the causal diagonal
-                for r in range(ROWS):
-                    for c in range(COLS):
-                        smem[P_OFF + key_row[r] * P_PITCH + query_row[c]] = S[r, c]
+                            dP[r, c] = zero
+                    mm_rows(dP, smem, V_OFF, key_row, DO_OFF, query_row)
+                else:
+                    cuda.syncthreads()  # Pᵀ, written by group 0, is complete
+                if ds_role:
+                    store_ds(smem, S, dP, D_i, key_row, query_row)
+                if ATOMIC_DQ and not ASYNC:
+                    cuda.syncthreads()  # step 1e reads whole columns of dSᵀ, written by every warp
+                else:
+                    syncwarp()  # a row of Pᵀ and of dSᵀ is written and read by the lanes of one warp
 
-            # Step 1c: dPᵀ = V_j dO_iᵀ (one group), and dSᵀ = Pᵀ ∘ (dPᵀ − D_i).
-            if GROUPS == 1:
-                for r in range(ROWS):
-                    for c in range(COLS):
-                        dP[r, c] = zero
-                mm_rows(dP, smem, V_OFF, key_row, DO_OFF, query_row)
-            else:
-                cuda.syncthreads()  # Pᵀ, written by group 0, is complete
-            if ds_role:
-                for r in range(ROWS):
-                    for c in range(COLS):
-                        p = S[r, c] if GROUPS == 1 else smem[P_OFF + key_row[r] * P_PITCH + query_row[c]]
-                        smem[DS_OFF + key_row[r] * P_PITCH + query_row[c]] = p * (dP[r, c] - D_i[c])
-            if ATOMIC_DQ:
-                cuda.syncthreads()  # step 1e reads whole columns of dSᵀ, written by every warp
-            else:
-                syncwarp()  # a row of Pᵀ and of dSᵀ is written and read by the lanes of one warp
-
-            # Step 1d: dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i (with two groups: group 0 the first,
-            # group 1 the second, in the same instructions).
-            mm_cols(dV_j, smem, pd_off, key_row, dq_off, d_col)
-            if GROUPS == 1:
-                mm_cols(dK_j, smem, DS_OFF, key_row, Q_OFF, d_col)
-
-            if ATOMIC_DQ:
-                # Step 1e: dQ_i += dS K_j; here a thread owns query rows ty·QROWS + r and
-                # (with two groups) columns in its group's half of the head dim.
-                for r in range(QROWS):
-                    for e in range(DQCOLS):
-                        dQ_part[r, e] = zero
-                for n in range(BLOCK_N_U):
-                    for r in range(QROWS):
-                        ds_m[r] = smem[DS_OFF + n * P_PITCH + dq_row[r]]
-                    for e in range(DQCOLS):
-                        k_e[e] = smem[K_OFF + n * D_PITCH + dq_col[e]]
-                    for r in range(QROWS):
-                        for e in range(DQCOLS):
-                            dQ_part[r, e] += ds_m[r] * k_e[e]
-                # The accumulator has D_PAD columns: padded ones only ever receive zeros.
-                for r in range(QROWS):
-                    row = q_start + ty * QROWS + r
-                    if row < seqlen_q:
-                        if RED4:
-                            for e in range(0, DQCOLS, 4):
-                                red_add_f32x4(dq_accum, (b, h, row, dq_col[e]), dQ_part[r, e], dQ_part[r, e + 1],
-                                              dQ_part[r, e + 2], dQ_part[r, e + 3])
-                        else:
-                            for e in range(DQCOLS):
-                                cuda.atomic.add(dq_accum, (b, h, row, dq_col[e]), dQ_part[r, e])
-            cuda.syncthreads()  # everyone is done with Q_i, dO_i, Pᵀ and dSᵀ before the next load
+                # Step 1d: dK_j += dSᵀ Q_i and dV_j += Pᵀ dO_i (with two groups: group 1 the first, group 0 the
+                # second, in the same instructions).
+                if GROUPS == 1:
+                    mm_cols(dK_j, smem, DS_OFF, key_row, Q_OFF, d_col)  # the last read of Q_i
+                    if ASYNC:
+                        cuda.syncthreads()  # everyone is done with Q_i (and dSᵀ is complete for step 1e) ...
+                        if i + 1 < i_last:  # ... so Q_{i+1} streams in under dV_j += Pᵀ dO_i and step 1e
+                            copy_tile(smem, Q_OFF, D_PITCH, q, b, h, q_start + BLOCK_M, BLOCK_M, seqlen_q, head_dim,
+                                      tid)
+                mm_cols(dV_j, smem, pd_off, key_row, dq_off, d_col)
+                if ATOMIC_DQ:
+                    add_dq(dq_accum, smem, b, h, q_start, seqlen_q, dq_row, dq_col, ty)
+                if ASYNC:
+                    I.cp_async_wait_all()  # this thread's chunks of Q_{i+1} have landed (the barrier shows everyone's)
+                cuda.syncthreads()  # everyone is done with Q_i, dO_i, Pᵀ and dSᵀ before the next load
+                if ASYNC and i + 1 < i_last:  # dO_{i+1} streams in under the next Sᵀ
+                    copy_tile(smem, DO_OFF, D_PITCH, do, b, h, q_start + BLOCK_M, BLOCK_M, seqlen_q, head_dim, tid)
+        else:
+            # Two groups half a query tile apart; step t ends tile t's Pᵀ, dV_j, dPᵀ, dSᵀ and tile t − 1's
+            # dK_j (and step 1e), so one last step, t = i_last, finishes tile i_last − 1.
+            for t in range(i_first, i_last + 1):
+                q_start = t * BLOCK_M
+                fresh = t < i_last  # tile t exists (not the last step)
+                q_cur = Q_OFF + (u64(t) & Q_PARITY) * Q_TILE  # Q_t's buffer
+                q_other = Q_OFF + (u64(t + 1) & Q_PARITY) * Q_TILE  # Q_{t−1}'s, then Q_{t+1}'s
+                if fresh:
+                    query_vectors(lse2_i, D_i, key_end, lse2, delta, b, h, q_start, seqlen_q, seqlen_k, causal, tx)
+                # Phase A (dO_t in flight): group 0 Sᵀ = K_j Q_tᵀ and Pᵀ; group 1 dK_j += dSᵀ Q_{t−1}.
+                if p_role:
+                    if fresh:
+                        for r in range(ROWS):
+                            for c in range(COLS):
+                                S[r, c] = zero
+                        mm_rows(S, smem, K_OFF, key_row, q_cur, query_row)
+                        store_p(S, smem, lse2_i, key_end, key_row, query_row, q_start, k_start, seqlen_q,
+                                seqlen_k, causal, ty, scale_log2)
+                elif t > i_first:
+                    mm_cols(dK_j, smem, DS_OFF, key_row, q_other, d_col)
+                if ATOMIC_DQ and t > i_first:  # step 1e for tile t − 1 (its dSᵀ is complete)
+                    add_dq(dq_accum, smem, b, h, q_start - BLOCK_M, seqlen_q, dq_row, dq_col, ty)
+                I.cp_async_wait_all()  # this thread's chunks of dO_t have landed
+                cuda.syncthreads()  # Pᵀ and dO_t are complete; everyone is done with Q_{t−1} and dSᵀ
+                if t + 1 < i_last:  # Q_{t+1} streams into Q_{t−1}'s buffer during phase B
+                    copy_tile(smem, q_other, D_PITCH, q, b, h, q_start + BLOCK_M, BLOCK_M, seqlen_q, head_dim, tid)
+                # Phase B (Q_{t+1} in flight): group 0 dV_j += Pᵀ dO_t; group 1 dPᵀ = V_j dO_tᵀ and dSᵀ.
+                if fresh:
+                    if p_role:
+                        mm_cols(dV_j, smem, P_OFF, key_row, DO_OFF, d_col)
+                    else:
+                        for r in range(ROWS):
+                            for c in range(COLS):
+                                dP[r, c] = zero
+                        mm_rows(dP, smem, V_OFF, key_row, DO_OFF, query_row)
+                        store_ds(smem, S, dP, D_i, key_row, query_row)
+                I.cp_async_wait_all()  # this thread's chunks of Q_{t+1} have landed
+                cuda.syncthreads()  # Q_{t+1} and dSᵀ are complete; everyone is done with dO_t and Pᵀ
+                if t + 1 < i_last:  # dO_{t+1} streams in during the next phase A
+                    copy_tile(smem, DO_OFF, D_PITCH, do, b, h, q_start + BLOCK_M, BLOCK_M, seqlen_q, head_dim, tid)
 
         # dK_j · scale and dV_j, written once.
         sc = acc_t(scale)
@@ -555,7 +760,14 @@ def dkdv_kernel(cfg: TileConfig, atomic_dq: bool = False):
 
 @functools.cache
 def dq_kernel(cfg: TileConfig):
-    """The compiled dQ kernel (step 2) for one configuration (cached)."""
+    """The compiled dQ kernel (step 2) for one configuration (cached).
+
+    With ``cfg.async_copy`` the key tiles arrive by ``cp.async`` while the
+    block computes, and ``dP = dO_i V_jᵀ`` comes before ``S = Q_i K_jᵀ``: then
+    V_j is read only at the start of a tile and K_j only after it, so ``K_j``
+    streams in under ``dP`` and ``V_{j+1}`` under the rest of the tile (see
+    "Copies" in the module docstring).
+    """
     BLOCK_M, BLOCK_N = cfg.block_m, cfg.block_n
     THREADS_X, THREADS_Y = cfg.threads_x, cfg.threads_y
     D_PAD = cfg.head_dim_pad
@@ -568,8 +780,10 @@ def dq_kernel(cfg: TileConfig):
     VEC = vector_width(cfg)
     D_PITCH, DS_PITCH = u64(D_PAD + VEC), u64(BLOCK_N + VEC)
     SMEM_ALIGN = None if SIMULATOR else 16  # 16-byte vector loads need 16-byte alignment
+    ASYNC = cfg.async_copy  # tiles by cp.async (see "Copies" in the module docstring)
 
     load_tile = make_tile_loader(cfg)
+    copy_tile = make_async_tile_loader(cfg) if ASYNC else None
     to_out = make_storer(cfg.input_kind)
     block_tile = make_block_tile(cfg, reverse=True)  # the last query tiles have the most (causal) keys
     d_column = make_d_column(cfg)
@@ -593,8 +807,12 @@ def dq_kernel(cfg: TileConfig):
         smem = cuda.shared.array(0, acc_t, alignment=SMEM_ALIGN)
 
         # Q_i and dO_i stay in shared memory; dQ_i, lse2_i and D_i in registers.
-        load_tile(smem, Q_OFF, D_PITCH, q, b, h, q_start, BLOCK_M, seqlen_q, head_dim, tid)
-        load_tile(smem, DO_OFF, D_PITCH, do, b, h, q_start, BLOCK_M, seqlen_q, head_dim, tid)
+        if ASYNC:
+            copy_tile(smem, Q_OFF, D_PITCH, q, b, h, q_start, BLOCK_M, seqlen_q, head_dim, tid)
+            copy_tile(smem, DO_OFF, D_PITCH, do, b, h, q_start, BLOCK_M, seqlen_q, head_dim, tid)
+        else:
+            load_tile(smem, Q_OFF, D_PITCH, q, b, h, q_start, BLOCK_M, seqlen_q, head_dim, tid)
+            load_tile(smem, DO_OFF, D_PITCH, do, b, h, q_start, BLOCK_M, seqlen_q, head_dim, tid)
         dQ_i = cuda.local.array((ROWS, DCOLS), acc_t)
         S = cuda.local.array((ROWS, COLS), acc_t)  # S, then P
         dP = cuda.local.array((ROWS, COLS), acc_t)
@@ -621,18 +839,34 @@ def dq_kernel(cfg: TileConfig):
                 dQ_i[r, e] = zero
 
         _, k_end = d_key_range(q_start, BLOCK_M, seqlen_q, seqlen_k, causal)
-        for j in range((k_end + BLOCK_N - 1) // BLOCK_N):
+        n_tiles = (k_end + BLOCK_N - 1) // BLOCK_N
+        if ASYNC:
+            if n_tiles > 0:
+                copy_tile(smem, V_OFF, D_PITCH, v, b, h, 0, BLOCK_N, seqlen_k, head_dim, tid)
+            I.cp_async_wait_all()  # this thread's chunks of Q_i, dO_i and V_0 have landed ...
+            cuda.syncthreads()  # ... and everyone's, before anyone reads them
+            if n_tiles > 0:  # K_0 streams in under the first dP
+                copy_tile(smem, K_OFF, D_PITCH, k, b, h, 0, BLOCK_N, seqlen_k, head_dim, tid)
+        for j in range(n_tiles):
             k_start = j * BLOCK_N
-            # Load K_j and V_j.
-            load_tile(smem, K_OFF, D_PITCH, k, b, h, k_start, BLOCK_N, seqlen_k, head_dim, tid)
-            load_tile(smem, V_OFF, D_PITCH, v, b, h, k_start, BLOCK_N, seqlen_k, head_dim, tid)
-            cuda.syncthreads()  # Q_i, dO_i, K_j and V_j are complete before anyone reads them
-
-            # S = Q_i K_jᵀ ...
             for r in range(ROWS):
                 for c in range(COLS):
                     S[r, c] = zero
                     dP[r, c] = zero
+            if ASYNC:
+                # dP = dO_i V_jᵀ first: V_j is here, K_j still streaming in.
+                mm_rows(dP, smem, DO_OFF, query_row, V_OFF, key_row)
+                I.cp_async_wait_all()  # this thread's chunks of K_j have landed
+                cuda.syncthreads()  # K_j is complete, and everyone is done with V_j before V_{j+1} replaces it
+                if j + 1 < n_tiles:  # V_{j+1} streams in under the rest of the tile
+                    copy_tile(smem, V_OFF, D_PITCH, v, b, h, k_start + BLOCK_N, BLOCK_N, seqlen_k, head_dim, tid)
+            else:
+                # Load K_j and V_j.
+                load_tile(smem, K_OFF, D_PITCH, k, b, h, k_start, BLOCK_N, seqlen_k, head_dim, tid)
+                load_tile(smem, V_OFF, D_PITCH, v, b, h, k_start, BLOCK_N, seqlen_k, head_dim, tid)
+                cuda.syncthreads()  # Q_i, dO_i, K_j and V_j are complete before anyone reads them
+
+            # S = Q_i K_jᵀ ...
             mm_rows(S, smem, Q_OFF, query_row, K_OFF, key_row)
             # ... P = exp2(S · scale · log2 e − lse2_i) ...
             for r in range(ROWS):
@@ -645,8 +879,9 @@ def dq_kernel(cfg: TileConfig):
                         if k_start + tx + THREADS_X * c >= key_end[r]:
                             S[r, c] = zero  # past a ragged end, or above the causal diagonal
 
-            # dP = dO_i V_jᵀ, and dS = P ∘ (dP − D_i).
-            mm_rows(dP, smem, DO_OFF, query_row, V_OFF, key_row)
+            # dP = dO_i V_jᵀ (already done with cp.async), and dS = P ∘ (dP − D_i).
+            if not ASYNC:
+                mm_rows(dP, smem, DO_OFF, query_row, V_OFF, key_row)
             for r in range(ROWS):
                 for c in range(COLS):
                     smem[DS_OFF + query_row[r] * DS_PITCH + key_row[c]] = S[r, c] * (dP[r, c] - D_i[r])
@@ -654,7 +889,11 @@ def dq_kernel(cfg: TileConfig):
 
             # dQ_i += dS K_j.
             mm_cols(dQ_i, smem, DS_OFF, query_row, K_OFF, d_col)
-            cuda.syncthreads()  # everyone is done with K_j, V_j and dS before the next load
+            if ASYNC:
+                I.cp_async_wait_all()  # this thread's chunks of V_{j+1} have landed (the barrier shows everyone's)
+            cuda.syncthreads()  # everyone is done with K_j, V_j and dS before the next load (and V_{j+1} is here)
+            if ASYNC and j + 1 < n_tiles:  # K_{j+1} streams in under the next dP
+                copy_tile(smem, K_OFF, D_PITCH, k, b, h, k_start + BLOCK_N, BLOCK_N, seqlen_k, head_dim, tid)
 
         # dQ_i · scale, written once.  A row that sees no key keeps dQ_i = 0.
         sc = acc_t(scale)
@@ -727,6 +966,8 @@ def launch_backward(
     pass kernel argument descriptors give their own.
     """
     ok, why = can_implement(cfg)
+    if ok and (cfg.dkdv.async_copy or cfg.dq.async_copy):
+        ok, why = async_copy_ok(cfg.dkdv, q, k, v, o, do, names=COPIED)
     if not ok:
         raise ValueError(f"backward configuration {cfg} cannot run: {why}")
     if empty is None:  # scratch from the inputs' array module
@@ -742,13 +983,14 @@ def launch_backward(
         dq_accum = empty((batch, heads, seqlen_q, cfg.dkdv.head_dim_pad), acc_dtype)
     qk_scale_log2 = float(scale * LOG2E)
     kv, dq_cfg = cfg.dkdv, cfg.dq
+    plain = _steps_0_and_2p(dq_cfg)
     q_tiles = -(-seqlen_q // dq_cfg.block_m)
     q_grid = (q_tiles, heads, batch)  # steps 0 and 2'
     dq_grid = grid_shape(dq_cfg, q_tiles, heads, batch)  # step 2
     k_grid = grid_shape(kv, -(-seqlen_k // kv.block_n), heads, batch)
     kv_block, q_block = (kv.threads_x, kv.threads_y, kv.groups), (dq_cfg.threads_x, dq_cfg.threads_y, 1)
     sc = float(scale)
-    launch(preprocess_kernel(dq_cfg), q_grid, q_block, stream, 0, o, do, lse, delta, lse2, dq_accum, not deterministic)
+    launch(preprocess_kernel(plain), q_grid, q_block, stream, 0, o, do, lse, delta, lse2, dq_accum, not deterministic)
     launch(
         dkdv_kernel(kv, not deterministic),
         k_grid,
@@ -767,7 +1009,7 @@ def launch_backward(
             *(q, k, v, do, lse2, delta, dq, qk_scale_log2, sc, bool(causal)),
         )
     else:
-        launch(dq_convert_kernel(dq_cfg), q_grid, q_block, stream, 0, dq_accum, dq, sc)
+        launch(dq_convert_kernel(plain), q_grid, q_block, stream, 0, dq_accum, dq, sc)
 
 
 # ----------------------------------------------------------------------------
@@ -776,11 +1018,17 @@ def launch_backward(
 
 
 def api_configs() -> list[BackwardConfig]:
-    """Every configuration :func:`choose_config` can pick on a GPU (head dims 1..256, every input kind)."""
+    """Every configuration the API can pick on a GPU (head dims 1..256, every input kind): those of
+    :func:`choose_config` and, for float32 at head dims that are multiples of 4, :func:`with_copies`'s."""
     seen = {}
     for kind in INPUT_KINDS:
         for head_dim in range(1, MAX_HEAD_DIM + 1):
-            seen[choose_config(head_dim, kind, simulator=False)] = None
+            cfg = choose_config(head_dim, kind, simulator=False)
+            seen[cfg] = None
+            if kind == "float32" and head_dim % 4 == 0:
+                copies = async_variant(cfg)
+                if dkdv_shared_bytes(copies.dkdv) <= _shared_limit():
+                    seen[copies] = None
     return list(seen)
 
 
@@ -816,12 +1064,13 @@ def compile_targets(configs=None) -> list[tuple]:
     """
     targets = {}
     for cfg in api_configs() if configs is None else configs:
+        plain = _steps_0_and_2p(cfg.dq)  # as launch_backward runs them
         for name, tile in (
-            ("preprocess", cfg.dq),
+            ("preprocess", plain),
             ("dkdv", cfg.dkdv),
             ("dkdv_atomic", cfg.dkdv),
             ("dq", cfg.dq),
-            ("dq_convert", cfg.dq),
+            ("dq_convert", plain),
         ):
             targets[name, tile] = None
     return [
@@ -831,8 +1080,10 @@ def compile_targets(configs=None) -> list[tuple]:
 
 
 __all__ = [
+    "COPIED",
     "BackwardConfig",
     "api_configs",
+    "async_variant",
     "can_implement",
     "compile_targets",
     "choose_config",
@@ -846,4 +1097,5 @@ __all__ = [
     "kernel_signature",
     "launch_backward",
     "preprocess_kernel",
+    "with_copies",
 ]

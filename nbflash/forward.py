@@ -59,7 +59,6 @@ import math
 from . import intrinsics as I
 from ._device import (
     SIMULATOR,
-    compute_capability,
     cuda,
     kernel,
     launch,
@@ -71,6 +70,7 @@ from ._tiles import (
     LN2,
     LOG2E,
     TileConfig,
+    async_copy_ok,
     grid_shape,
     make_async_tile_loader,
     make_block_tile,
@@ -84,7 +84,7 @@ from ._tiles import (
     pad_head_dim,
     vector_width,
 )
-from ._validate import array_module, data_address
+from ._validate import array_module
 from .masking import d_key_range, d_row_key_end, d_tile_needs_mask
 
 
@@ -343,32 +343,6 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
     return TileConfig(
         bm, bn, d_pad, tx, ty, input_kind, acc_kind, min_blocks=min_blocks, interleave=interleave
     )
-
-
-def async_copy_ok(cfg: TileConfig, *arrays) -> tuple[bool, str]:
-    """Can ``cfg`` with ``async_copy`` read these arrays (canonical q, k, v views or descriptors)?  ``(ok, reason)``.
-
-    ``cp.async`` copies float32 rows in 16-byte chunks: the head dim a multiple
-    of 4, each array contiguous along it, its other strides and its data
-    pointer multiples of 16 bytes; and a GPU of compute capability 8.0 or newer
-    (the simulator emulates the instruction).
-    """
-    if cfg.input_kind != "float32":
-        return False, f"cp.async copies float32 tiles as they are; {cfg.input_kind} is converted on load"
-    cc = compute_capability()
-    if cc is not None and cc < (8, 0):
-        return False, f"cp.async needs compute capability 8.0, the device has {cc}"
-    for name, a in zip("qkv", arrays, strict=False):
-        strides = a.strides
-        if a.shape[-1] % 4:
-            return False, f"{name}'s head dim {a.shape[-1]} is not a multiple of 4 (16-byte chunks)"
-        if strides[-1] != 4:
-            return False, f"{name} is not contiguous along the head dim"
-        if (strides[0] | strides[1] | strides[2]) & 15:
-            return False, f"{name}'s strides {strides} are not multiples of 16 bytes"
-        if data_address(a) & 15:
-            return False, f"{name}'s data pointer is not 16-byte aligned"
-    return True, ""
 
 
 def with_copies(cfg: TileConfig, q, k, v) -> TileConfig:

@@ -368,6 +368,27 @@ def _sim_ldmatrix_x4_trans(smem, offset):
     return _sim_ldmatrix(smem, offset, True)
 
 
+#: Simulator only.  ``False`` (the default): a ``cp.async`` copy happens at once.  ``True``: it happens
+#: at the wait that covers it, and until then its 16 destination bytes hold all-ones (a NaN in every
+#: float type) — the freedom the hardware has.  A kernel whose schedule reads a tile before the wait
+#: and barrier that make it complete, or starts a copy over a tile that another thread still reads,
+#: then computes NaN or stale values instead of passing by luck (``tests/test_backward.py`` sets it).
+SIM_CP_ASYNC_LANDS_AT_WAIT = False
+_sim_cp_async_groups = threading.local()  # per simulated thread: .open (uncommitted copies), .committed (groups)
+
+
+def _sim_cp_async_queue():
+    state = _sim_cp_async_groups
+    if not hasattr(state, "open"):
+        state.open, state.committed = [], []
+    return state
+
+
+def _sim_land(copies):
+    for dst, start, chunk in copies:
+        dst.reshape(-1).view(np.uint8)[start : start + 16] = chunk
+
+
 def _sim_cp_async_16(dst, dst_offset, src, src_index, src_bytes=16):
     """Start an asynchronous 16-byte copy global → shared that bypasses registers (and L1).
 
@@ -383,7 +404,8 @@ def _sim_cp_async_16(dst, dst_offset, src, src_index, src_bytes=16):
     :func:`cp_async_commit` and a :func:`cp_async_wait` that covers its group
     (and is visible to other threads after a barrier).
 
-    Simulator: the copy happens at once; commit and wait do nothing.
+    Simulator: the copy happens at once; commit and wait do nothing — unless
+    :data:`SIM_CP_ASYNC_LANDS_AT_WAIT` makes it land at the wait.
     """
     start = int(dst_offset) * dst.itemsize
     if start % 16:
@@ -396,14 +418,22 @@ def _sim_cp_async_16(dst, dst_offset, src, src_index, src_bytes=16):
         count = -(-n // dtype.itemsize)
         vals = np.array([src[idx[:-1] + (idx[-1] + e,)] for e in range(count)], dtype=dtype)
         chunk[:n] = vals.view(np.uint8)[:n]
-    dst.reshape(-1).view(np.uint8)[start : start + 16] = chunk
+    if SIM_CP_ASYNC_LANDS_AT_WAIT:
+        dst.reshape(-1).view(np.uint8)[start : start + 16] = 0xFF  # in flight: not the old tile, not the new
+        _sim_cp_async_queue().open.append((dst, start, chunk))
+    else:
+        _sim_land([(dst, start, chunk)])
 
 
 def _sim_cp_async_commit():
     """Close the group of this thread's ``cp.async`` copies issued since the last commit.
 
-    PTX: ``cp.async.commit_group``; sm_80 or newer.  A no-op in the simulator.
+    PTX: ``cp.async.commit_group``; sm_80 or newer.  In the simulator the
+    groups matter only with :data:`SIM_CP_ASYNC_LANDS_AT_WAIT`.
     """
+    state = _sim_cp_async_queue()
+    state.committed.append(state.open)
+    state.open = []
 
 
 def _sim_cp_async_wait(n):
@@ -413,15 +443,21 @@ def _sim_cp_async_wait(n):
     compile-time constant (an immediate in the instruction): ``n = 1`` with two
     groups in flight waits for the older one — double buffering.  The data is
     visible to *other* threads only after a following ``cuda.syncthreads()``.
-    A no-op in the simulator.
+    In the simulator the older groups land here with :data:`SIM_CP_ASYNC_LANDS_AT_WAIT`.
     """
+    state = _sim_cp_async_queue()
+    while len(state.committed) > n:
+        _sim_land(state.committed.pop(0))
 
 
 def _sim_cp_async_wait_all():
     """Wait for all of this thread's ``cp.async`` copies.
 
-    PTX: ``cp.async.wait_all`` (commit + wait_group 0); sm_80 or newer.  A no-op in the simulator.
+    PTX: ``cp.async.wait_all`` (commit + wait_group 0); sm_80 or newer.  In the
+    simulator every copy lands here with :data:`SIM_CP_ASYNC_LANDS_AT_WAIT`.
     """
+    _sim_cp_async_commit()
+    _sim_cp_async_wait(0)
 
 
 def _sim_pack_f16x2(lo, hi):

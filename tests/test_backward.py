@@ -2,6 +2,11 @@
 
 In the simulator the tiles are 8 × 8, so sequence lengths 1, 7 (prime), 9
 (just past a tile) and 17 cover single, partial and several tiles.
+
+float32 tests run twice (the ``copies`` fixture): with the plain tile loads,
+and with the cp.async copies the API picks for aligned float32 rows — in the
+simulator with each copy landing only at the wait that covers it, its tile
+poisoned until then, so a missing wait or barrier shows in the gradients.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import pytest
 
 import nbflash
 from nbflash import backward as bw
+from nbflash import intrinsics
 from nbflash._tiles import TileConfig
 from nbflash.api import backward_arrays
 from nbflash.reference import attention_backward_ref, attention_ref, causal_mask
@@ -85,6 +91,31 @@ def _max_err(a, b):
     return float(np.max(np.abs(np.asarray(a, dtype=np.float64) - b)))
 
 
+@pytest.fixture
+def late_copies(monkeypatch):
+    """cp.async in the simulator lands at the wait that covers it (NaN until then): see nbflash.intrinsics."""
+    monkeypatch.setattr(intrinsics, "SIM_CP_ASYNC_LANDS_AT_WAIT", True)
+
+
+@pytest.fixture(params=["loads", "cp.async"])
+def copies(request, monkeypatch):
+    """How the API's kernels fill shared memory for a test's (aligned float32) inputs: plain loads
+    (``bw.with_copies`` off), or cp.async (its choice, checked), landing late.  Returns the name."""
+    if request.param == "loads":
+        monkeypatch.setattr(bw, "with_copies", lambda cfg, *arrays: cfg)
+        return request.param
+    request.getfixturevalue("late_copies")
+    choose = bw.with_copies
+
+    def must_copy(cfg, *arrays):
+        got = choose(cfg, *arrays)
+        assert got.dkdv.async_copy and got.dq.async_copy, "these inputs should take cp.async"
+        return got
+
+    monkeypatch.setattr(bw, "with_copies", must_copy)
+    return request.param
+
+
 # ----------------------------------------------------------------------------
 # Gradients against the reference
 # ----------------------------------------------------------------------------
@@ -117,7 +148,7 @@ def test_float64_matches_reference(rng, xp, shape, deterministic):
         assert _max_err(got, want) <= 1e-10 * (1 + np.abs(want).max()), name
 
 
-def test_rows_without_keys_get_zero_dq(rng, xp):
+def test_rows_without_keys_get_zero_dq(rng, xp, copies):
     # Causal with seqlen_q = 13 > seqlen_k = 5: query i sees keys j <= i - 8.
     do, q, k, v, o, lse = _inputs(rng, xp, 1, 2, 13, 5, 8, np.float32, causal=True)
     assert np.all(np.isneginf(_host(lse)[:, :, :8]))
@@ -129,16 +160,19 @@ def test_rows_without_keys_get_zero_dq(rng, xp):
         assert np.any(dq[:, :, 8:] != 0)
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", [(9, 9), (7, 17), (17, 7)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_float32(rng, xp, seqlens, causal):
+def test_float32(rng, xp, seqlens, causal, deterministic, layout, copies):
+    """Ragged tiles, N_q ≠ N_k, causal rows that see no key (17 × 7), both dQ routes and layouts."""
     Nq, Nk = seqlens
-    do, q, k, v, o, lse = _inputs(rng, xp, 1, 2, Nq, Nk, 40, np.float32, causal=causal)
-    got = nbflash.attention_backward(do, q, k, v, o, lse, causal=causal)
-    ref = _reference(do, q, k, v, causal=causal)
+    do, q, k, v, o, lse = _inputs(rng, xp, 1, 2, Nq, Nk, 40, np.float32, causal=causal, layout=layout)
+    got = nbflash.attention_backward(do, q, k, v, o, lse, causal=causal, layout=layout, deterministic=deterministic)
+    ref = _reference(do, q, k, v, causal=causal, layout=layout)
     for name, g, want in zip(("dq", "dk", "dv"), got, ref, strict=True):
         assert g.dtype == np.float32, name
-        assert _max_err(_host(g), want) <= 2e-5 * (1 + np.abs(want).max()), name
+        assert _max_err(_to_bhsd(g, layout), want) <= 2e-5 * (1 + np.abs(want).max()), name
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
@@ -210,7 +244,7 @@ def test_bshd_layout_and_strided_views(rng, xp, causal):
         assert np.array_equal(_to_bhsd(g, "bshd"), _host(g3))
 
 
-def test_deterministic_and_atomic_agree(rng, xp):
+def test_deterministic_and_atomic_agree(rng, xp, copies):
     do, q, k, v, o, lse = _inputs(rng, xp, 1, 2, 17, 9, 8, np.float32, causal=True)
     first = nbflash.attention_backward(do, q, k, v, o, lse, causal=True, deterministic=True)
     again = nbflash.attention_backward(do, q, k, v, o, lse, causal=True, deterministic=True)
@@ -222,38 +256,164 @@ def test_deterministic_and_atomic_agree(rng, xp):
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
-def test_blocks_of_several_warps(rng, xp, deterministic):
+@pytest.mark.parametrize("kind", ["float64", "float32", "float32-cp.async"])
+def test_blocks_of_several_warps(rng, xp, deterministic, kind, request):
     """The API's simulator tiles fit in one warp; here 64 threads (two warps) share a tile.
 
     A row of Pᵀ/dS stays within one warp (a warp barrier suffices) while the
-    atomic dQ step reads columns written by both warps (a block barrier).
+    atomic dQ step reads columns written by both warps (a block barrier); with
+    cp.async every tile is copied by both warps, so each wait needs its barrier.
     """
-    tile = TileConfig(16, 16, 16, 8, 8, "float64", "float64")
+    dtype = np.float64 if kind == "float64" else np.float32
+    tile = TileConfig(16, 16, 16, 8, 8, kind.split("-")[0], "float64" if kind == "float64" else "float32")
     cfg = bw.BackwardConfig(dkdv=tile, dq=tile)
+    if kind.endswith("cp.async"):
+        cfg = bw.async_variant(cfg)
+        request.getfixturevalue("late_copies")
     Nq, Nk, D = 19, 23, 12
-    do, q, k, v, o, lse = _inputs(rng, xp, 1, 2, Nq, Nk, D, np.float64, causal=True)
+    do, q, k, v, o, lse = _inputs(rng, xp, 1, 2, Nq, Nk, D, dtype, causal=True)
     dq, dk, dv = (xp.empty_like(x) for x in (q, k, v))
     bw.launch_backward(cfg, q, k, v, o, do, lse, dq, dk, dv, 1 / math.sqrt(D), True, deterministic=deterministic)
     ref = _reference(do, q, k, v, causal=True)
+    tol = 1e-10 if dtype == np.float64 else 2e-5
     for g, want in zip((dq, dk, dv), ref, strict=True):
-        assert _max_err(_host(g), want) <= 1e-10 * (1 + np.abs(want).max())
+        assert _max_err(_host(g), want) <= tol * (1 + np.abs(want).max())
 
 
+@pytest.mark.parametrize("tiles_by", ["loads", "cp.async"])
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
 @pytest.mark.parametrize("groups,interleave", [(2, False), (1, True), (2, True)], ids=["groups2", "interleave", "both"])
-def test_split_groups_and_interleaved_columns(rng, xp, deterministic, groups, interleave):
+def test_split_groups_and_interleaved_columns(rng, xp, deterministic, groups, interleave, tiles_by, request):
     """Two thread groups splitting the dK/dV work (group 0: P, dV; group 1: dP, dS, dK; each half of
-    dQ's columns in step 1e), head-dim columns in 16-byte runs, and every head's longest tile first."""
-    Nq, Nk, D = 19, 23, 29  # D_PAD = 32: group halves of 16 columns, 16-byte runs of a lane at 4tx and 16 + 4tx
+    dQ's columns in step 1e; with cp.async half a query tile apart), head-dim columns in 16-byte runs, and
+    every head's longest tile first."""
+    # D_PAD = 32: group halves of 16 columns, 16-byte runs of a lane at 4tx and 16 + 4tx.  cp.async copies
+    # whole 16-byte chunks: D = 28 (its last chunk zero-filled); the plain loads take D = 29.
+    Nq, Nk, D = 19, 23, 28 if tiles_by == "cp.async" else 29
     kv = TileConfig(8, 8, 32, 4, 2, "float32", groups=groups, interleave=interleave, longest_first=True)
     cfg = bw.BackwardConfig(dkdv=kv, dq=TileConfig(8, 8, 32, 4, 2, "float32", interleave=interleave,
                                                    longest_first=True))
+    if tiles_by == "cp.async":
+        cfg = bw.async_variant(cfg)
+        request.getfixturevalue("late_copies")
     do, q, k, v, o, lse = _inputs(rng, xp, 2, 1, Nq, Nk, D, np.float32, causal=True)
     dq, dk, dv = (xp.full(x.shape, np.nan, np.float32) for x in (q, k, v))
     bw.launch_backward(cfg, q, k, v, o, do, lse, dq, dk, dv, 1 / math.sqrt(D), True, deterministic=deterministic)
     ref = _reference(do, q, k, v, causal=True)
     for name, g, want in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, strict=True):
         assert _max_err(_host(g), want) <= 2e-5 * (1 + np.abs(want).max()), name
+
+
+# (B, H, seqlen_q, seqlen_k, causal) for the cp.async schedules: one tile, ragged tails, N_q ≠ N_k both
+# ways, query rows and whole query tiles that see no key (causal, N_q > N_k), many tiles.
+ASYNC_SHAPES = [(1, 1, 1, 1, True), (1, 2, 7, 7, False), (2, 1, 13, 29, True), (1, 1, 37, 6, True),
+                (1, 1, 29, 13, False), (1, 1, 50, 41, True)]
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+@pytest.mark.parametrize(
+    "kv,dq",
+    [
+        # one group: dO_i under Sᵀ, Q_{i+1} under dV_j; two warps share every copy and product
+        (TileConfig(16, 16, 16, 8, 8, "float32"), TileConfig(16, 16, 16, 8, 8, "float32")),
+        # two groups half a query tile apart (a warp each), two Q_i buffers; 16-byte column runs
+        (TileConfig(16, 16, 32, 4, 8, "float32", groups=2, interleave=True, longest_first=True),
+         TileConfig(32, 8, 32, 8, 8, "float32", interleave=True, longest_first=True)),
+    ],
+    ids=["one-group", "two-groups"],
+)
+def test_async_copies_match_loads(rng, xp, late_copies, kv, dq, deterministic, layout):
+    """The cp.async schedules (both kernels) give the same gradients as the plain loads: bit for bit on the
+    deterministic route (the same operations in the same order), to rounding on the atomic one."""
+    loads = bw.BackwardConfig(dkdv=kv, dq=dq)
+    copies = bw.async_variant(loads)
+    D = 12  # pads to 16 or 32: zero-filled chunks
+    for B, H, Nq, Nk, causal in ASYNC_SHAPES:
+        do, q, k, v, o, lse = _inputs(rng, xp, B, H, Nq, Nk, D, np.float32, causal=causal, layout=layout)
+        views = [x if layout == "bhsd" else x.transpose(0, 2, 1, 3) for x in (do, q, k, v, o)]
+        cdo, cq, ck, cv, co = views
+        ref = _reference(do, q, k, v, causal=causal, layout=layout)
+        runs = []
+        for cfg in (loads, copies):
+            grads = [xp.full(x.shape, np.nan, np.float32) for x in (cq, ck, cv)]
+            bw.launch_backward(cfg, cq, ck, cv, co, cdo, lse, *grads, 1 / math.sqrt(D), causal,
+                               deterministic=deterministic)
+            runs.append([_host(g) for g in grads])
+        for name, a, c, want in zip(("dq", "dk", "dv"), *runs, ref, strict=True):
+            shape = (B, H, Nq, Nk, causal)
+            assert _max_err(c, want) <= 2e-5 * (1 + np.abs(want).max()), (name, shape)
+            if deterministic:
+                assert np.array_equal(a, c), (name, shape)
+            else:
+                np.testing.assert_allclose(c, a, rtol=1e-5, atol=1e-6, err_msg=f"{name} {shape}")
+
+
+def test_async_copy_choice(rng, xp, monkeypatch, late_copies):
+    """The API copies by cp.async exactly where float32 rows are whole aligned 16-byte chunks in q, k, v, o
+    and do, in both kernels; anything else falls back to the plain loads, still exact."""
+    from nbflash._tiles import async_copy_ok
+
+    launched = []
+    launch = bw.launch_backward
+
+    def spy(cfg, *args, **kwargs):
+        launched.append(cfg)
+        return launch(cfg, *args, **kwargs)
+
+    monkeypatch.setattr(bw, "launch_backward", spy)
+
+    def run(do, q, k, v, o, lse, layout="bhsd"):
+        launched.clear()
+        got = nbflash.attention_backward(do, q, k, v, o, lse, causal=True, layout=layout, deterministic=True)
+        ref = _reference(do, q, k, v, causal=True, layout=layout)
+        for g, want in zip(got, ref, strict=True):
+            tol = 1e-10 if g.dtype == np.float64 else 2e-5 if g.dtype == np.float32 else 2e-2
+            assert _max_err(_to_bhsd(g, layout).astype(np.float64), want) <= tol * (1 + np.abs(want).max())
+        [cfg] = launched
+        assert cfg.dkdv.async_copy == cfg.dq.async_copy
+        return cfg.dkdv.async_copy
+
+    args = _inputs(rng, xp, 1, 2, 9, 10, 8, np.float32, causal=True)
+    assert run(*args)
+    assert run(*_inputs(rng, xp, 1, 3, 9, 10, 8, np.float32, causal=True, layout="bshd"), layout="bshd")
+    assert not run(*_inputs(rng, xp, 1, 2, 9, 10, 8, np.float64, causal=True))  # no float64 variant
+    assert not run(*_inputs(rng, xp, 1, 2, 9, 10, 8, np.float16, causal=True))  # converted on load
+    assert not run(*_inputs(rng, xp, 1, 2, 9, 10, 6, np.float32, causal=True))  # rows of 24 bytes
+
+    def shifted(x):  # the same values, one float into a buffer: the data pointer 4 bytes past 16
+        buf = xp.zeros(x.size + 1, dtype=x.dtype)
+        view = buf[1:].reshape(x.shape)
+        view[...] = x
+        return view
+
+    do, q, k, v, o, lse = args
+    for name in bw.COPIED:  # each of q, k, v, o, do misaligned in turn
+        moved = dict(do=do, q=q, k=k, v=v, o=o)
+        moved[name] = shifted(moved[name])
+        assert not run(moved["do"], moved["q"], moved["k"], moved["v"], moved["o"], lse), name
+        ok, why = async_copy_ok(bw.choose_config(8, "float32").dkdv, *(moved[n] for n in bw.COPIED),
+                                names=bw.COPIED)
+        assert not ok and why == f"{name}'s data pointer is not 16-byte aligned"
+    # A forced cp.async configuration refuses the misaligned view.
+    cfg = bw.async_variant(bw.choose_config(8, "float32"))
+    grads = [xp.empty_like(x) for x in (q, k, v)]
+    with pytest.raises(ValueError, match="not 16-byte aligned"):
+        launch(cfg, shifted(q), k, v, o, do, lse, *grads, 0.5, True)
+
+
+def test_async_copy_needs_its_shared_memory(monkeypatch):
+    """With two groups cp.async needs a second Q_i buffer (199 KB at D = 128): a GPU that allows 166 KB
+    but not that keeps the plain loads."""
+    q = np.zeros((1, 1, 4, 128), np.float32)
+    cfg = bw.choose_config(128, "float32", simulator=False)
+    copies = bw.async_variant(cfg)
+    assert bw.dkdv_shared_bytes(cfg.dkdv) < 180 * 1024 < bw.dkdv_shared_bytes(copies.dkdv) <= 227 * 1024
+    assert bw.with_copies(cfg, q, q, q, q, q) == copies
+    monkeypatch.setattr(bw, "max_shared_per_block", lambda: 180 * 1024)
+    assert bw.with_copies(cfg, q, q, q, q, q) == cfg
+    ok, why = bw.can_implement(copies)
+    assert not ok and "shared memory" in why
 
 
 def test_tile_config_rejects_columns_that_do_not_split():
@@ -387,6 +547,7 @@ def test_torch_tensors_refused(rng, xp, no_launch):
 @pytest.mark.parametrize("input_kind", ["float16", "bfloat16", "float32", "float64"])
 def test_gpu_configs_can_run(input_kind):
     """Every head dim's configuration fits an H200 (227 KB of shared memory; 128 threads, or two groups of 128)."""
+    api = bw.api_configs()
     for head_dim in range(1, 257):
         cfg = bw.choose_config(head_dim, input_kind, simulator=False)
         ok, why = bw.can_implement(cfg)
@@ -394,6 +555,12 @@ def test_gpu_configs_can_run(input_kind):
         assert max(bw.dkdv_shared_bytes(cfg.dkdv), bw.dq_shared_bytes(cfg.dq)) <= 227 * 1024
         assert cfg.dq.threads == 128 and cfg.dkdv.threads == 128 * cfg.dkdv.groups
         assert cfg.dkdv.groups == (2 if input_kind == "float32" and 64 < cfg.dkdv.head_dim_pad <= 128 else 1)
+        if input_kind == "float32" and head_dim % 4 == 0:  # what with_copies picks for aligned rows
+            copies = bw.async_variant(cfg)
+            ok, why = bw.can_implement(copies)
+            assert ok, (head_dim, why)
+            assert max(bw.dkdv_shared_bytes(copies.dkdv), bw.dq_shared_bytes(copies.dq)) <= 227 * 1024
+            assert copies in api
 
 
 def test_two_group_tiles_step_down_where_shared_memory_is_short(monkeypatch):
@@ -427,32 +594,43 @@ _PTX_SCRIPT = textwrap.dedent(
         return info["registers"], info["spill_bytes"]
 
     configs = []
-    for arg in sys.argv[1:]:
-        head_dim, kind = arg.split(":")
-        configs.append(bw.choose_config(int(head_dim), kind, simulator=False))
-    for name, tile, kern, sig, fastmath in bw.compile_targets(configs):
+    for arg in sys.argv[1:]:  # HEAD_DIM:KIND, or HEAD_DIM:KIND:as for the API's cp.async variant
+        head_dim, kind, *copies = arg.split(":")
+        cfg = bw.choose_config(int(head_dim), kind, simulator=False)
+        configs.append(bw.async_variant(cfg) if copies == ["as"] else cfg)
+    targets = bw.compile_targets(configs)
+    print(json.dumps(dict(targets=len(targets))), flush=True)
+    for name, tile, kern, sig, fastmath in targets:
         t = time.perf_counter()
-        ptx = compile_ptx_offline(kern.py_func, sig, cc=(9, 0), fastmath=fastmath)
+        bounds = dict(launch_bounds=(tile.threads, tile.min_blocks)) if tile.min_blocks else {}
+        ptx = compile_ptx_offline(kern.py_func, sig, cc=(9, 0), fastmath=fastmath, **bounds)
         seconds = time.perf_counter() - t
         regs, spills = ptxas(ptx)
-        row = dict(kernel=name, config=f"D_PAD={tile.head_dim_pad} {tile.input_kind} {tile.block_m}x{tile.block_n}",
+        row = dict(kernel=name, config=f"D_PAD={tile.head_dim_pad} {tile.input_kind} {tile.block_m}x{tile.block_n}"
+                   f"{' groups=2' if tile.groups == 2 else ''}{' cp.async' if tile.async_copy else ''}"
+                   f"{f' min_blocks={tile.min_blocks}' if tile.min_blocks else ''}",
                    seconds=round(seconds, 2), local=len(re.findall(r"\b(?:ld|st)\.local\b", ptx)),
-                   regs=regs, spill_bytes=spills, barriers=ptx.count("bar.sync"), entry=".entry" in ptx)
+                   regs=regs, spill_bytes=spills, barriers=ptx.count("bar.sync"), entry=".entry" in ptx,
+                   async_copy=tile.async_copy, cp_async=ptx.count("cp.async.cg.shared.global"))
         print(json.dumps(row), flush=True)
     """
 )
 
-# (head dim, input kind) pairs compiled by test_kernels_compile_for_sm90; set
-# NBFLASH_PTX_ALL=1 to compile every head dim of 64/128/256 for every type.
-_PTX_CONFIGS = ["64:float32", "128:float16", "256:bfloat16", "64:float64", "256:float64"]
-_PTX_ALL = [f"{d}:{k}" for d in (64, 128, 256) for k in ("float32", "float16", "bfloat16", "float64")]
+# (head dim, input kind[, as]) compiled by test_kernels_compile_for_sm90 (":as": the cp.async variant the
+# API runs on aligned float32); set NBFLASH_PTX_ALL=1 to compile every head dim of 64/128/256 for every type.
+_PTX_CONFIGS = ["64:float32", "128:float16", "64:float32:as", "256:bfloat16", "128:float32:as", "64:float64",
+                "256:float64"]  # two processes take every other entry: 64:float32's two variants share one
+_PTX_ALL = [f"{d}:{k}" for d in (64, 128, 256) for k in ("float32", "float16", "bfloat16", "float64")] + [
+    f"{d}:float32:as" for d in (64, 128, 256)]
 
 
 def test_kernels_compile_for_sm90():
     """Every backward kernel compiles with NVVM for sm_90, with no register array in local memory.
 
     Runs in fresh processes without the simulator (no GPU needed).  Where
-    nvJitLink is installed, ptxas must also report no register spills.
+    nvJitLink is installed, ptxas must also report no register spills (under
+    the kernel's launch bounds, if it has them).  The cp.async variants must
+    copy by cp.async (steps 0 and 2' copy nothing: they are the plain kernels).
     """
     configs = _PTX_ALL if os.environ.get("NBFLASH_PTX_ALL") else _PTX_CONFIGS
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
@@ -470,12 +648,15 @@ def test_kernels_compile_for_sm90():
         for part in halves
         if part
     ]
-    results = []
+    results, expected = [], 0
     for p in procs:
         stdout, stderr = p.communicate(timeout=900)
         assert p.returncode == 0, stderr[-4000:]
-        results += [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-    assert len(results) == 5 * len(configs)  # five kernels per configuration
+        rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+        expected += rows[0]["targets"]
+        results += rows[1:]
+    assert len(results) == expected >= 3 * len(configs)  # five kernels per configuration, some shared
+    assert any(r["async_copy"] for r in results)
     for r in results:
         print(r)
         assert r["entry"], r
@@ -484,3 +665,4 @@ def test_kernels_compile_for_sm90():
             assert r["spill_bytes"] == 0, f"{r['config']} {r['kernel']}: ptxas spilled registers ({r})"
         if r["kernel"] in ("flash_backward_dkdv", "flash_backward_dq"):
             assert r["barriers"] > 0, r
+        assert (r["cp_async"] > 0) == r["async_copy"], r
