@@ -456,7 +456,7 @@ def launch(dispatcher, grid, block, stream: int, shared_bytes: int, args, device
 # A public call (``nbflash.attention`` and friends) validates its inputs,
 # chooses kernels, allocates scratch and then launches one to four kernels.
 # For a given *signature* — the inputs' types, shapes, strides, dtypes and
-# device, the flags, and whether the data pointers are 16-byte aligned — all
+# device, the flags, and which data pointers are 16-byte aligned — all
 # of that comes out the same every time; only the data pointers change.  So the
 # first call of a signature runs the launch functions in recording mode, with
 # placeholder pointers, and keeps what they would launch as a :class:`Recipe`;
@@ -585,10 +585,11 @@ def placeholder_args(arrays) -> list[ArrayArg]:
     return out
 
 
-def signature_key(device: int, meta, bits: int, flags):
-    """The key of a call signature: the device, each array's ``(shape, strides, dtype)``, whether every data
-    pointer (``bits``: their bitwise or) is 16-byte aligned, and the flags; None if a flag is unhashable."""
-    key = (device, tuple(meta), not bits & 15, *flags)
+def signature_key(device: int, meta, aligned, flags):
+    """The key of a call signature: the device, each array's ``(shape, strides, dtype)``, which data pointers
+    are 16-byte aligned (``aligned``: one bool per array — a kernel choice may hang on any one of them, e.g.
+    cp.async on q, k, v but not on lse), and the flags; None if a flag is unhashable."""
+    key = (device, tuple(meta), tuple(aligned), *flags)
     try:
         hash(key)
     except TypeError:

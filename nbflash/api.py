@@ -98,8 +98,8 @@ def which_backend(
 #
 # Validation, the kernel choice and the launch arguments depend only on the
 # call's *signature*: the arrays' types, shapes, strides, dtypes and device,
-# the flags, and whether the data pointers are 16-byte aligned (tensor cores
-# need it).  The first call of a signature is checked in full and its
+# the flags, and which data pointers are 16-byte aligned (tensor cores and
+# cp.async need it).  The first call of a signature is checked in full and its
 # launches are recorded (nbflash._launch.Recipe); later calls of that
 # signature look the recipe up, allocate the outputs and replay it with their
 # own pointers.  A signature is cached only after its call passed every check,
@@ -130,7 +130,7 @@ def _signature(arrays, flags):
         return None, None, None
     ndarray, _, get_device, _ = hooks
     device = get_device()
-    meta, ptrs, bits = [], [], 0
+    meta, ptrs, aligned = [], [], []
     for a in arrays:
         if type(a) is not ndarray:
             return None, None, None
@@ -140,8 +140,8 @@ def _signature(arrays, flags):
         ptr = mem.ptr
         meta.append((a.shape, a.strides, a.dtype.char))
         ptrs.append(ptr)
-        bits |= ptr
-    key = _launch.signature_key(device, meta, bits, flags)
+        aligned.append(not ptr & 15)
+    key = _launch.signature_key(device, meta, aligned, flags)
     return (key, ptrs, device) if key is not None else (None, None, None)
 
 

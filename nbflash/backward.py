@@ -372,12 +372,19 @@ def with_copies(cfg: BackwardConfig, q, k, v, o, do) -> BackwardConfig:
     (:func:`nbflash._tiles.async_copy_ok` on q, k, v, o, do) take
     :func:`async_variant`, provided it can run here (:func:`can_implement`:
     with two groups the dK/dV kernel's second Q_i buffer must fit).  ``o``
-    is read only by step 0, with plain loads, but is held to the rule too: the
-    API caches a call's kernels under one "every pointer 16-byte aligned" bit
-    (:func:`nbflash._launch.signature_key`), as it does for the tensor-core
-    backward, which checks the same five arrays.
+    is read only by step 0, with plain loads, but is held to the rule too (the
+    tensor-core backward checks the same five arrays).
+
+    Only one-group dK/dV tiles take it.  Measured on the H200 (fp32, batch·N =
+    16k, heads·D = 2048, N = 2k / 8k, non-causal then causal;
+    ``fp32-candidates-NVIDIA-H200-2026-11-30-bwd-async.json``): D = 64 (one
+    group) 31.4 / 29.0 / 32.0 / 30.8 TFLOP/s against 23.7 / 22.3 / 24.3 / 23.9
+    with plain loads; D = 128 with two groups 24.4 / 22.8 / 24.9 / 24.9
+    against 25.7 / 24.1 / 24.8 / 26.6 — the half-tile skew between the groups
+    costs more than the copies save there, so that configuration keeps plain
+    loads (``async_variant`` still builds it, for tests and sweeps).
     """
-    if cfg.dkdv.async_copy or cfg.dkdv.input_kind != "float32":
+    if cfg.dkdv.async_copy or cfg.dkdv.input_kind != "float32" or cfg.dkdv.groups != 1:
         return cfg
     if not async_copy_ok(cfg.dkdv, q, k, v, o, do, names=COPIED)[0]:
         return cfg

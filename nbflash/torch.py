@@ -260,7 +260,7 @@ def _signature(tensors, flags):
     device = first.get_device()
     if device < 0 or device != _cuda_get_device():
         return none
-    meta, ptrs, copies, bits = [], [], [], 0
+    meta, ptrs, copies, aligned = [], [], [], []
     for t in tensors:
         if type(t) not in _PLAIN or t.get_device() != device:
             return none
@@ -272,8 +272,8 @@ def _signature(tensors, flags):
         ptr = t.data_ptr()
         meta.append((shape, stride, t.dtype))
         ptrs.append(ptr)
-        bits |= ptr
-    key = _launch.signature_key(device, meta, bits, flags)
+        aligned.append(not ptr & 15)
+    key = _launch.signature_key(device, meta, aligned, flags)
     return (key, ptrs, device, copies) if key is not None else none
 
 

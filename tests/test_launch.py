@@ -478,11 +478,13 @@ def test_gpu_torch_cached_signature_runs_fresh_inputs(dtype):
 
 def test_signature_key_and_cache():
     """One key per call signature (alignment included); an unhashable flag has none; the cache is bounded."""
-    meta = [((2, 3), (24, 8), "e")]
-    key = _launch.signature_key(0, meta, 0x1000, ("bhsd", float, 0.5))
-    assert key == _launch.signature_key(0, list(meta), 0x2000, ("bhsd", float, 0.5))
-    assert key != _launch.signature_key(0, meta, 0x1002, ("bhsd", float, 0.5))  # misaligned: its own signature
-    assert _launch.signature_key(0, meta, 0, ([0.5],)) is None
+    meta = [((2, 3), (24, 8), "e"), ((2, 3), (24, 8), "e")]
+    key = _launch.signature_key(0, meta, [True, True], ("bhsd", float, 0.5))
+    assert key == _launch.signature_key(0, list(meta), (True, True), ("bhsd", float, 0.5))
+    # Each array's alignment is its own part of the key: a kernel choice may depend on any one of them.
+    first, second = (_launch.signature_key(0, meta, a, ("bhsd", float, 0.5)) for a in ([False, True], [True, False]))
+    assert len({key, first, second}) == 3
+    assert _launch.signature_key(0, meta, [True, True], ([0.5],)) is None
     cache = _launch.SignatureCache(limit=2)
     for i in range(3):
         cache.put(i, i)
