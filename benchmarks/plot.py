@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -64,16 +65,25 @@ def _shape_note(result: dict[str, Any]) -> str:
     return f"{b}, {h}"
 
 
-def _not_run(rows: list[dict[str, Any]]) -> str:
-    """``provider: status (N, …)`` for each provider with rows that did not run."""
+def _not_run(rows: list[dict[str, Any]], width: int = 70) -> str:
+    """``status: provider, … (N, …)`` for the providers with rows that did not run, wrapped to ``width``.
+
+    Providers with the same status at the same sequence lengths share one entry; "every N" when a
+    provider missed every length of the panel.
+    """
+    every = sorted({r["seqlen"] for r in rows})
     missing: dict[tuple[str, str], list[int]] = {}
     for r in rows:
         if r["status"] != "ok":
             missing.setdefault((r["provider"], r["status"]), []).append(r["seqlen"])
-    parts = []
+    groups: dict[tuple[str, tuple[int, ...]], list[str]] = {}
     for (provider, status), ns in missing.items():
-        parts.append(f"{provider}: {status} ({', '.join(_seqlen_label(n) for n in sorted(set(ns)))})")
-    return "not run: " + "; ".join(parts) if parts else ""
+        groups.setdefault((status, tuple(sorted(set(ns)))), []).append(provider)
+    parts = []
+    for (status, ns), providers in groups.items():
+        where = "every N" if list(ns) == every else ", ".join(_seqlen_label(n) for n in ns)
+        parts.append(f"{status}: {', '.join(providers)} ({where})")
+    return textwrap.fill("not run: " + "; ".join(parts), width) if parts else ""
 
 
 def _axis_seqlen(ax: plt.Axes, seqlens: list[int]) -> None:
@@ -120,13 +130,14 @@ def plot_speed(result: dict[str, Any], pass_name: str, path: Path) -> Path | Non
         ax.set_ylabel("TFLOP/s")
         ax.set_title(f"{dtype}, head dim {d}, {'causal' if causal else 'non-causal'}", fontsize=10)
         note = _not_run(sub)
-        if note:
-            ax.text(0.01, -0.30, note, transform=ax.transAxes, fontsize=6.5, color="0.35", wrap=True, va="top")
+        if note:  # under the axis; kept out of tight_layout, which would shrink the axes to make room
+            ax.text(0.0, -0.24, note, transform=ax.transAxes, fontsize=6.5, color="0.35", va="top").set_in_layout(False)
         ax.legend(fontsize=7, loc="best")
     flops = {"forward": "4·B·H·N²·D", "backward": "2.5 × 4·B·H·N²·D", "fwd+bwd": "3.5 × 4·B·H·N²·D"}[pass_name]
     fig.suptitle(f"Attention {pass_name} speed\n{_subtitle(result['environment'])}\n"
                  f"{_shape_note(result)}; TFLOP/s = {flops} / time (causal: half)", fontsize=11)
-    fig.tight_layout(h_pad=3.0)
+    fig.tight_layout(h_pad=4.0)
+    fig.subplots_adjust(bottom=fig.subplotpars.bottom + 0.35 / fig.get_figheight())  # room for the last row's notes
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

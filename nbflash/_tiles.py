@@ -40,7 +40,7 @@ import numpy as np
 
 from . import intrinsics as I
 from ._device import SIMULATOR, compute_capability, cuda, device_function, numba, shfl_xor
-from ._validate import data_address
+from ._validate import chunked_rows_problem
 
 #: Element types a kernel can read from global memory.  bfloat16 arrives as its
 #: raw 16 bits (uint16) because CuPy and NumPy have no bfloat16.
@@ -322,15 +322,11 @@ def async_copy_ok(cfg: TileConfig, *arrays, names=("q", "k", "v")) -> tuple[bool
     if cc is not None and cc < (8, 0):
         return False, f"cp.async needs compute capability 8.0, the device has {cc}"
     for name, a in zip(names, arrays, strict=True):
-        strides = a.strides
         if a.shape[-1] % 4:
             return False, f"{name}'s head dim {a.shape[-1]} is not a multiple of 4 (16-byte chunks)"
-        if strides[-1] != 4:
-            return False, f"{name} is not contiguous along the head dim"
-        if (strides[0] | strides[1] | strides[2]) & 15:
-            return False, f"{name}'s strides {strides} are not multiples of 16 bytes"
-        if data_address(a) & 15:
-            return False, f"{name}'s data pointer is not 16-byte aligned"
+        why = chunked_rows_problem(name, a, 4)
+        if why:
+            return False, why
     return True, ""
 
 

@@ -72,6 +72,20 @@ def data_address(a) -> int:
     return int(ptr)
 
 
+def chunked_rows_problem(name: str, a, itemsize: int) -> str:
+    """Why ``cp.async`` cannot copy the rows of ``a`` (a ``(B, H, N, D)`` view or descriptor) as 16-byte chunks,
+    or "" if it can: contiguous along the head dim, the other strides and the data pointer multiples of 16
+    bytes.  ``itemsize``: the bytes of one element as the kernel reads it."""
+    strides = a.strides
+    if strides[-1] != itemsize:
+        return f"{name} must be contiguous along the head dim (cp.async copies 16-byte chunks of rows)"
+    if (strides[0] | strides[1] | strides[2]) & 15:
+        return f"{name}'s strides {tuple(strides)} are not multiples of 16 bytes"
+    if data_address(a) & 15:
+        return f"{name}'s data pointer is not 16-byte aligned"
+    return ""
+
+
 def _expected_array() -> str:
     return "a NumPy array (the CUDA simulator is active)" if SIMULATOR else "a CuPy array on a CUDA GPU"
 

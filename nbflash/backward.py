@@ -493,6 +493,7 @@ def dkdv_kernel(cfg: TileConfig, atomic_dq: bool = False):
 
     load_tile = make_tile_loader(cfg)
     copy_tile = make_async_tile_loader(cfg) if ASYNC else None
+    fill_tile = copy_tile if ASYNC else load_tile  # the first tiles: started (cp.async) or loaded
     to_out = make_storer(cfg.input_kind)
     block_tile = make_block_tile(cfg)  # the first key tiles have the most (causal) queries: they start first
     d_column = make_d_column(cfg)
@@ -595,12 +596,8 @@ def dkdv_kernel(cfg: TileConfig, atomic_dq: bool = False):
         smem = cuda.shared.array(0, acc_t, alignment=SMEM_ALIGN)
 
         # K_j and V_j stay in shared memory; dK_j and dV_j in registers.
-        if ASYNC:
-            copy_tile(smem, K_OFF, D_PITCH, k, b, h, k_start, BLOCK_N, seqlen_k, head_dim, tid)
-            copy_tile(smem, V_OFF, D_PITCH, v, b, h, k_start, BLOCK_N, seqlen_k, head_dim, tid)
-        else:
-            load_tile(smem, K_OFF, D_PITCH, k, b, h, k_start, BLOCK_N, seqlen_k, head_dim, tid)
-            load_tile(smem, V_OFF, D_PITCH, v, b, h, k_start, BLOCK_N, seqlen_k, head_dim, tid)
+        fill_tile(smem, K_OFF, D_PITCH, k, b, h, k_start, BLOCK_N, seqlen_k, head_dim, tid)
+        fill_tile(smem, V_OFF, D_PITCH, v, b, h, k_start, BLOCK_N, seqlen_k, head_dim, tid)
         # With two groups a thread holds one accumulator and one score tile: the
         # names below then share their registers (dV_j is dK_j, S is dP).
         dV_j = cuda.local.array((ROWS, DCOLS), acc_t)
@@ -791,6 +788,7 @@ def dq_kernel(cfg: TileConfig):
 
     load_tile = make_tile_loader(cfg)
     copy_tile = make_async_tile_loader(cfg) if ASYNC else None
+    fill_tile = copy_tile if ASYNC else load_tile  # the first tiles: started (cp.async) or loaded
     to_out = make_storer(cfg.input_kind)
     block_tile = make_block_tile(cfg, reverse=True)  # the last query tiles have the most (causal) keys
     d_column = make_d_column(cfg)
@@ -814,12 +812,8 @@ def dq_kernel(cfg: TileConfig):
         smem = cuda.shared.array(0, acc_t, alignment=SMEM_ALIGN)
 
         # Q_i and dO_i stay in shared memory; dQ_i, lse2_i and D_i in registers.
-        if ASYNC:
-            copy_tile(smem, Q_OFF, D_PITCH, q, b, h, q_start, BLOCK_M, seqlen_q, head_dim, tid)
-            copy_tile(smem, DO_OFF, D_PITCH, do, b, h, q_start, BLOCK_M, seqlen_q, head_dim, tid)
-        else:
-            load_tile(smem, Q_OFF, D_PITCH, q, b, h, q_start, BLOCK_M, seqlen_q, head_dim, tid)
-            load_tile(smem, DO_OFF, D_PITCH, do, b, h, q_start, BLOCK_M, seqlen_q, head_dim, tid)
+        fill_tile(smem, Q_OFF, D_PITCH, q, b, h, q_start, BLOCK_M, seqlen_q, head_dim, tid)
+        fill_tile(smem, DO_OFF, D_PITCH, do, b, h, q_start, BLOCK_M, seqlen_q, head_dim, tid)
         dQ_i = cuda.local.array((ROWS, DCOLS), acc_t)
         S = cuda.local.array((ROWS, COLS), acc_t)  # S, then P
         dP = cuda.local.array((ROWS, COLS), acc_t)

@@ -107,7 +107,7 @@ from . import backward as bw
 from . import intrinsics as I
 from ._device import SIMULATOR, compute_capability, cuda, device_function, kernel, launch, max_shared_per_block, numba
 from ._tiles import LOG2E, make_storer
-from ._validate import array_module, data_address
+from ._validate import array_module, chunked_rows_problem
 from .masking import d_key_range, d_query_range, d_row_key_end, d_tile_needs_mask
 
 __all__ = [
@@ -809,14 +809,9 @@ def can_implement(cfg: TCBackwardConfig, *arrays) -> tuple[bool, str]:
             return False, f"{name} has head dim {a.shape[-1]}, the configuration {cfg.head_dim}"
         if np.dtype(a.dtype).itemsize != 2:
             return False, f"{name} must hold 16-bit elements (float16, or bfloat16 as uint16), got {a.dtype}"
-        if i >= 4:
-            continue
-        if a.strides[-1] != 2:
-            return False, f"{name} must be contiguous along the head dim (cp.async copies 16-byte rows)"
-        if any(s % 16 for s in a.strides[:-1]):
-            return False, f"{name}'s strides {a.strides} are not multiples of 16 bytes"
-        if data_address(a) % 16:
-            return False, f"{name} does not start at a 16-byte aligned address"
+        why = "" if i >= 4 else chunked_rows_problem(name, a, 2)  # do, q, k, v are copied by cp.async
+        if why:
+            return False, why
     return True, ""
 
 

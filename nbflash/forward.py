@@ -140,6 +140,7 @@ def forward_kernel(cfg: TileConfig):
     load_tile = make_tile_loader(cfg)
     ASYNC = cfg.async_copy
     copy_tile = make_async_tile_loader(cfg) if ASYNC else None
+    fill_tile = copy_tile if ASYNC else load_tile  # Q_i: started (cp.async, waited for below) or loaded
     # The two products, one thread's piece each: S = Q_i K_jᵀ and acc += P V_j.
     mm_qk = make_mm_nt(ROWS, COLS, D_PAD, Q_PITCH, VEC, cfg.acc_kind)
     mm_pv = make_mm_nn(ROWS, DCOLS, BLOCK_N, P_PITCH, V_PITCH, VEC, cfg.acc_kind)
@@ -167,10 +168,7 @@ def forward_kernel(cfg: TileConfig):
         smem = cuda.shared.array(0, acc_t, alignment=SMEM_ALIGN)
 
         # Step 1: Q_i stays in shared memory; m_i, l_i, acc in registers.
-        if ASYNC:
-            copy_tile(smem, Q_OFF, Q_PITCH, q, b, h, q_start, BLOCK_M, seqlen_q, head_dim, tid)
-        else:
-            load_tile(smem, Q_OFF, Q_PITCH, q, b, h, q_start, BLOCK_M, seqlen_q, head_dim, tid)
+        fill_tile(smem, Q_OFF, Q_PITCH, q, b, h, q_start, BLOCK_M, seqlen_q, head_dim, tid)
         m_i = cuda.local.array(ROWS, acc_t)
         l_i = cuda.local.array(ROWS, acc_t)  # this lane's share of the row sum
         acc = cuda.local.array((ROWS, DCOLS), acc_t)

@@ -85,7 +85,7 @@ import numpy as np
 from . import intrinsics as I
 from ._device import SIMULATOR, cuda, device_function, kernel, launch, max_shared_per_block, numba, shfl_xor
 from ._tiles import LN2, LOG2E, make_storer
-from ._validate import data_address
+from ._validate import chunked_rows_problem
 from .masking import d_key_range, d_row_key_end, d_tile_needs_mask
 
 __all__ = [
@@ -584,15 +584,11 @@ def can_implement(cfg: TCConfig, *arrays) -> tuple[bool, str]:
     if need > limit:
         return False, f"needs {need} bytes of shared memory per block, the device allows {limit}"
     for name, a in zip("qkvo", arrays, strict=False):
-        strides = a.strides
         if a.shape[-1] != cfg.head_dim:
             return False, f"{name} has head dim {a.shape[-1]}, the configuration {cfg.head_dim}"
-        if strides[-1] != 2:
-            return False, f"{name} must be contiguous along the head dim (cp.async copies 16-byte rows)"
-        if (strides[0] | strides[1] | strides[2]) & 15:
-            return False, f"{name}'s strides {strides} are not multiples of 16 bytes"
-        if data_address(a) & 15:
-            return False, f"{name}'s data pointer is not 16-byte aligned"
+        why = chunked_rows_problem(name, a, 2)
+        if why:
+            return False, why
     return True, ""
 
 
