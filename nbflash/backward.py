@@ -91,6 +91,8 @@ the barrier after it shows everyone's and frees the buffers read before it::
               S, P, dS, dQ_i += dS K_j ─ wait ─ barrier ─ copy K_{j+1} ┐ (the next dP)
 
 (With plain loads: 2 barriers a tile, 3 with the atomic dQ; two groups 3, 4 with it.)
+The API picks cp.async for one-group dK/dV tiles only: on the H200 the
+two-group schedule measured slower than plain loads (:func:`with_copies`).
 
 Exponentials are base 2 with the scale folded in, as in the forward.  Inputs
 float16/bfloat16/float32 accumulate in float32; float64 in float64.
