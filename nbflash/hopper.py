@@ -371,15 +371,16 @@ class _SimSharedSpace:
         while isinstance(root.base, np.ndarray):
             root = root.base
         ptr = root.__array_interface__["data"][0]
-        known = [region[2] for region in self.regions if region[0] == ptr and region[1] >= root.nbytes]
-        if known:
-            base = known[0]
-        else:
-            base = self.next
-            self.regions.append((ptr, root.nbytes, base, root.reshape(-1).view(np.uint8)))
-            self.next = -(-(base + root.nbytes) // self._ALIGN) * self._ALIGN
-            if self.next > 1 << 18:
-                raise ValueError("simulated shared memory exceeds the 256 KiB a descriptor can address")
+        with _sim_lock:  # the block's threads ask at once: the first registers the buffer, the others find it
+            known = [region[2] for region in self.regions if region[0] == ptr and region[1] >= root.nbytes]
+            if known:
+                base = known[0]
+            else:
+                base = self.next
+                self.regions.append((ptr, root.nbytes, base, root.reshape(-1).view(np.uint8)))
+                self.next = -(-(base + root.nbytes) // self._ALIGN) * self._ALIGN
+                if self.next > 1 << 18:
+                    raise ValueError("simulated shared memory exceeds the 256 KiB a descriptor can address")
         byte = base + (arr.__array_interface__["data"][0] - ptr) + int(offset) * arr.itemsize
         if byte % 16:
             raise ValueError(f"shared address {byte} (element {offset}) is not 16-byte aligned")
