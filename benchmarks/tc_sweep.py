@@ -44,6 +44,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.forward_sweep import environment  # noqa: E402
 from nbflash import forward_tc as T  # noqa: E402
+from nbflash import forward_wgmma as W  # noqa: E402
 
 KIND = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 # (block_m, block_n, q_in_regs, m_tiles, kv_pipeline) per head dim.
@@ -66,15 +67,25 @@ CANDIDATES = {
     ],
     256: [(64, 32, False, 1, "double")],
 }
-#: Names accepted by --configs besides tags: choose_config's pick for each head dim and dtype, and its split pipeline.
-NAMED = ("default", "default-split")
+#: The wgmma kernel's candidates (nbflash.forward_wgmma, Hopper only): (block_m, block_n) per head dim.
+WG_CANDIDATES = {
+    64: [(128, 128), (64, 128), (128, 64), (192, 128)],
+    128: [(128, 128), (128, 64), (64, 128)],
+    256: [(128, 64)],
+}
+#: Names accepted by --configs besides tags: choose_config's pick for each head dim and dtype, its split pipeline,
+#: and the wgmma kernel's pick.
+NAMED = ("default", "default-split", "wg-default")
 #: Head dims checked for correctness only (the default configuration).
 CHECK_ONLY = (40, 96, 256)
 
 
 def tag(cfg) -> str:
     """``64x32`` (Q fragments in registers) or ``64x32s`` (Q re-read from shared memory); ``/2``: two m-tiles
-    per warp; ``-split``: FlashAttention-2's split K/V pipeline (one K and one V buffer, two cp.async groups)."""
+    per warp; ``-split``: FlashAttention-2's split K/V pipeline (one K and one V buffer, two cp.async groups);
+    ``wg128x128``: the wgmma kernel's tiles."""
+    if isinstance(cfg, W.WGConfig):
+        return f"wg{cfg.block_m}x{cfg.block_n}"
     return (
         f"{cfg.block_m}x{cfg.block_n}{'' if cfg.q_in_regs else 's'}{'/2' if cfg.m_tiles == 2 else ''}"
         f"{'-split' if cfg.kv_pipeline == 'split' else ''}"
@@ -87,11 +98,13 @@ def select(dims, kinds, wanted=None):
     for d in dims:
         for kind in kinds:
             listed = [T.TCConfig(bm, bn, d, kind, qr, mt, kp) for bm, bn, qr, mt, kp in CANDIDATES.get(d, [])]
+            listed += [W.WGConfig(bm, bn, d, kind) for bm, bn in WG_CANDIDATES.get(d, [])]
             if wanted is None:
                 cfgs += listed
                 continue
             default = T.choose_config(d, kind, simulator=False)
-            named = {"default": default, "default-split": dataclasses.replace(default, kv_pipeline="split")}
+            named = {"default": default, "default-split": dataclasses.replace(default, kv_pipeline="split"),
+                     "wg-default": W.choose_config(d, kind, simulator=False)}
             for cfg in [named[w] for w in NAMED if w in wanted] + [c for c in listed if tag(c) in wanted]:
                 if cfg not in cfgs:
                     cfgs.append(cfg)
@@ -112,8 +125,17 @@ def run_tc(cfg, q, k, v, causal, layout="bhsd"):
     lse = torch.full((b, h, n_q), float("nan"), device=q.device)
     canon = (lambda x: x) if layout == "bhsd" else (lambda x: x.swapaxes(1, 2))
     qc, kc, vc, oc = (canon(as_cupy(x)) for x in (q, k, v, o))
-    T.launch_forward_tc(cfg, qc, kc, vc, oc, as_cupy(lse), 1 / math.sqrt(q.shape[-1]), causal)
+    launcher(cfg)(cfg, qc, kc, vc, oc, as_cupy(lse), 1 / math.sqrt(q.shape[-1]), causal)
     return o, lse
+
+
+def launcher(cfg):
+    """The launch function of the kernel family of ``cfg``: mma.sync (forward_tc) or wgmma (forward_wgmma)."""
+    return W.launch_forward_wgmma if isinstance(cfg, W.WGConfig) else T.launch_forward_tc
+
+
+def module(cfg):
+    return W if isinstance(cfg, W.WGConfig) else T
 
 
 def ref(q, k, v, causal, dtype=torch.float64):
@@ -198,7 +220,8 @@ def time_row(sets, causal, fl, cfgs):
     outs = [(torch.empty_like(s[0]), torch.empty(b, h, n, device="cuda")) for s in sets]
     cargs = [tuple(as_cupy(x) for x in (*s, *o)) for s, o in zip(sets, outs, strict=True)]
     for cfg in cfgs:
-        ms = cuda_time_ms(lambda i, cfg=cfg: T.launch_forward_tc(cfg, *cargs[i], 1 / math.sqrt(d), causal), len(sets))
+        launch = launcher(cfg)
+        ms = cuda_time_ms(lambda i, cfg=cfg, launch=launch: launch(cfg, *cargs[i], 1 / math.sqrt(d), causal), len(sets))
         row[f"nb-{tag(cfg)}"] = fl / ms / 1e9
     return row
 
@@ -238,6 +261,7 @@ def main():
     else:
         cfgs = select(dims, kinds)
         cfgs += [T.choose_config(d, k) for d in CHECK_ONLY if d not in dims for k in kinds]
+        cfgs += [W.choose_config(d, k) for d in CHECK_ONLY if d not in dims for k in kinds]
     compiled = []
     for cfg in cfgs:
         t0 = time.perf_counter()
@@ -249,11 +273,12 @@ def main():
         except Exception as e:  # a configuration that cannot compile or launch is reported, not fatal
             log(f"{cfg}: {type(e).__name__}: {e}")
             continue
-        disp = T.forward_tc_kernel(cfg)
+        mod = module(cfg)
+        disp = mod.forward_wgmma_kernel(cfg) if mod is W else T.forward_tc_kernel(cfg)
         kern = next(iter(disp.overloads.values()))
         info = {a: getattr(kern, a, None) for a in ("regs_per_thread", "local_mem_per_thread", "shared_mem_per_block")}
         name = f"{tag(cfg)} D{cfg.head_dim} {cfg.input_kind}"
-        log(f"compiled {name} in {time.perf_counter() - t0:.1f} s: {info} dynamic smem {T.shared_bytes(cfg)}")
+        log(f"compiled {name} in {time.perf_counter() - t0:.1f} s: {info} dynamic smem {mod.shared_bytes(cfg)}")
         compiled.append((cfg, info))
     if not args.no_check:
         fails = check(log, [c for c, _ in compiled], dtypes)

@@ -12,20 +12,21 @@ from . import backward as _bwd
 from . import backward_tc as _bwd_tc
 from . import forward as _simt
 from . import forward_tc as _tc
+from . import forward_wgmma as _wg
 from ._device import SIMULATOR, compute_capability, max_shared_per_block, stream_handle
 from ._streams import array_device, current_stream
 from ._validate import Problem, canonical, check_attention, check_device, check_like
 
 #: Values of the ``backend=`` argument.
-BACKENDS = ("auto", "simt", "tensor_core")
+BACKENDS = ("auto", "simt", "tensor_core", "wgmma")
 
 
 @dataclass(frozen=True)
 class Plan:
     """Which forward kernel a call runs, with its configuration and the reason (see :func:`which_backend`)."""
 
-    backend: str  # "simt" or "tensor_core"
-    config: Any  # nbflash.forward.TileConfig or nbflash.forward_tc.TCConfig
+    backend: str  # "simt", "tensor_core" (mma.sync) or "wgmma" (Hopper)
+    config: Any  # nbflash.forward.TileConfig, nbflash.forward_tc.TCConfig or nbflash.forward_wgmma.WGConfig
     reason: str
 
 
@@ -47,6 +48,14 @@ def plan_forward(head_dim: int, input_kind: str, scale: float, q, k, v, backend:
         why = f"head dim {head_dim} is not a multiple of 8 (rows must be whole 16-byte chunks)"
     elif not scale > 0:
         why = f"scale {scale} is not positive"
+    if backend == "wgmma":
+        if why:
+            raise ValueError(f"backend='wgmma' cannot run this call: {why}")
+        cfg = _wg.choose_config(head_dim, input_kind)
+        ok, why = _wg.can_implement(cfg, q, k, v)
+        if not ok:
+            raise ValueError(f"backend='wgmma' cannot run this call: {why}")
+        return Plan("wgmma", cfg, "requested")
     if not why:
         cfg = _tc.choose_config(head_dim, input_kind, max_shared=max_shared_per_block())
         ok, why = _tc.can_implement(cfg, q, k, v)
@@ -85,8 +94,10 @@ def which_backend(
     its constraints hold (head dim a multiple of 8, rows 16-byte aligned,
     scale > 0), and the SIMT kernel (:mod:`nbflash.forward`) otherwise;
     ``"simt"`` and ``"tensor_core"`` force one (the latter raises ValueError,
-    with the reason, when it cannot run the call).  In the simulator ``auto``
-    picks SIMT, and ``"tensor_core"`` runs the emulated instructions.
+    with the reason, when it cannot run the call).  ``"wgmma"`` forces the
+    Hopper kernel (:mod:`nbflash.forward_wgmma`, compute capability 9.x only;
+    ValueError elsewhere).  In the simulator ``auto`` picks SIMT, and
+    ``"tensor_core"`` and ``"wgmma"`` run the emulated instructions.
     """
     p = check_attention(q, k, v, causal=causal, scale=scale, layout=layout, bf16_bits=bf16_bits)
     return plan_forward(p.head_dim, p.input_kind, p.scale, *(canonical(a, layout) for a in (q, k, v)), backend)
@@ -190,6 +201,8 @@ def _forward(p: Problem, q, k, v, *, stream=None, backend: str = "auto", key=Non
 def _launch_forward(plan: Plan, p: Problem, cq, ck, cv, co, lse, *, stream) -> None:
     if plan.backend == "tensor_core":  # the plan checked q, k, v; o is ours, contiguous and aligned
         _tc.launch_forward_tc(plan.config, cq, ck, cv, co, lse, p.scale, p.causal, stream=stream, check=False)
+    elif plan.backend == "wgmma":
+        _wg.launch_forward_wgmma(plan.config, cq, ck, cv, co, lse, p.scale, p.causal, stream=stream, check=False)
     else:
         _simt.launch_forward(plan.config, cq, ck, cv, co, lse, p.scale, p.causal, stream=stream)
 
@@ -233,8 +246,9 @@ def attention(
             ``(batch, heads, seqlen_q)``, float32 (float64 for float64 inputs).
             It is all the backward pass needs besides ``o``.
         backend: ``"auto"`` (tensor cores for float16 on an sm_80+ GPU, SIMT
-            otherwise), ``"simt"`` or ``"tensor_core"``;
-            :func:`which_backend` says which one a call runs and why.
+            otherwise), ``"simt"``, ``"tensor_core"`` (``mma.sync``) or
+            ``"wgmma"`` (Hopper's warpgroup instructions, compute capability
+            9.x only); :func:`which_backend` says which one a call runs and why.
 
     Returns:
         ``o`` with the dtype, layout and array type of ``q``, or ``(o, lse)``.
@@ -391,6 +405,8 @@ def plan_backward(head_dim: int, input_kind: str, scale: float, do, q, k, v, o, 
     The SIMT kernels copy their tiles by cp.async where the rows allow it (:func:`nbflash.backward.with_copies`)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "wgmma":  # there is no wgmma backward yet: the mma.sync one, which runs on Hopper too
+        backend = "tensor_core"
     simt = _bwd.with_copies(_bwd.choose_config(head_dim, input_kind), q, k, v, o, do)
     if backend == "simt":
         return Plan("simt", simt, "requested")

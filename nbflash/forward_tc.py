@@ -179,74 +179,25 @@ def shared_bytes(cfg: TCConfig) -> int:
 
 
 @functools.cache
-def forward_tc_kernel(cfg: TCConfig):
-    """The compiled tensor-core forward kernel for one configuration (cached)."""
-    BLOCK_M, BLOCK_N, D, D_PAD = cfg.block_m, cfg.block_n, cfg.head_dim, cfg.d_pad
-    THREADS, PITCH = cfg.threads, cfg.pitch
-    Q_IN_REGS, TWO = cfg.q_in_regs, cfg.m_tiles == 2  # TWO: each warp owns a second m-tile, 16 rows below
-    WARP_ROWS = 16 * cfg.m_tiles
-    SPLIT_KV = cfg.kv_pipeline == "split"  # FlashAttention-2's single K and V buffers, two cp.async groups per tile
-    K_OFF, V_OFF, _ = shared_offsets(cfg)
-    KV_STRIDE = BLOCK_N * PITCH  # elements from one K (or V) buffer to the other (double buffering)
-    CHUNKS = D_PAD // 8  # 16-byte chunks per shared row ...
-    DATA_CHUNKS = D // 8  # ... of which these hold data (the rest is zero padding)
-    N_TILES = BLOCK_N // 8  # 8-key column tiles of S
-    D_TILES = D_PAD // 8  # 8-wide column tiles of O
-    K_STEPS = D_PAD // 16  # k-steps of Q K^T
-    QF_STEPS = K_STEPS if Q_IN_REGS else 1  # Q fragments held at once
-    PV_STEPS = BLOCK_N // 16  # k-steps of P V
-    # O += P V is two loop nests, over the first and the second half of the k-steps, when a single nest would
-    # hold more than 64 mma (D = 128, 64 keys, two m-tiles: 128).  NVVM unrolls a nest of 64 fully, so that
-    # every S index is a constant; one of 128 it leaves a loop over k-steps, S[2kk] is indexed at run time
-    # and S goes to the stack (local memory).
-    PV_SPLIT = PV_STEPS if PV_STEPS * D_TILES * cfg.m_tiles <= 64 else PV_STEPS // 2
+def fragment_steps(n_tiles: int, d_tiles: int, head_dim: int, input_kind: str):
+    """The per-row steps of a 16-row m-tile held in the ``mma.m16n8`` accumulator layout, as device functions.
+
+    ``(init_rows, mask_scores, online_softmax, p_frags, write_rows)`` for S
+    tiles of ``n_tiles`` 8-key column tiles and O tiles of ``d_tiles`` 8-wide
+    column tiles: register arrays ``S[n_tiles, 4]``, ``acc[d_tiles, 4]`` where
+    value i of tile n is row g + 8(i >> 1), column 8n + 2t + (i & 1) (lane
+    4g + t).  The wgmma accumulators of :mod:`nbflash.forward_wgmma` have this
+    layout in every warp too, so both tensor-core forwards run the same
+    softmax, masking and epilogue.
+    """
+    N_TILES, D_TILES, D = n_tiles, d_tiles, head_dim
     NEG_INF = numba.float32(-math.inf)  # a float32 constant: a Python float would make the softmax float64
     ZERO = numba.float32(0)
     FULL = 0xFFFFFFFF
-    u32, u64 = numba.uint32, numba.uint64
-    SMEM_ALIGN = None if SIMULATOR else 16
-    mma = I.mma_m16n8k16_f16 if cfg.input_kind == "float16" else I.mma_m16n8k16_bf16
-    pack = I.pack_f16x2 if cfg.input_kind == "float16" else I.pack_bf16x2
-    to_out = make_storer(cfg.input_kind)
+    pack = I.pack_f16x2 if input_kind == "float16" else I.pack_bf16x2
+    to_out = make_storer(input_kind)
 
-    def make_load_tile(ROWS):
-        """``load_tile(smem, offset, src, b, h, start, seqlen, tid)``: cp.async rows ``[start, start + ROWS)``
-        of ``src[b, h]`` to ``smem[offset + r·PITCH]``; rows past ``seqlen`` and the columns of the head-dim
-        padding are zero-filled (a copy of 0 source bytes).
-
-        Each thread copies the 16-byte chunks ``tid, tid + THREADS, ...`` of the
-        tile: a loop of constant trip count (unrolled), in unsigned arithmetic
-        so that ``//`` and ``%`` by the power-of-two CHUNKS are shifts and masks.
-        When THREADS is a multiple of CHUNKS (D_PAD a power of two), a thread
-        copies the same chunk of rows ``tid // CHUNKS + it · THREADS / CHUNKS``,
-        written so: one offset plus constants, rather than a row per iteration
-        that the compiler would keep in a register through the whole key loop.
-        """
-        ITERS = -(-ROWS * CHUNKS // THREADS)
-        EXACT = ROWS * CHUNKS % THREADS == 0
-        SAME_CHUNK = THREADS % CHUNKS == 0
-        U_CHUNKS, U_PITCH, U_THREADS, U_TOTAL = (np.uint64(x) for x in (CHUNKS, PITCH, THREADS, ROWS * CHUNKS))
-        U_DATA, U_ROW_STEP = np.uint64(DATA_CHUNKS), np.uint64(THREADS // CHUNKS)
-
-        def load_tile(smem, offset, src, b, h, start, seqlen, tid):
-            for it in range(ITERS):
-                c = u64(tid) + u64(it) * U_THREADS
-                if EXACT or c < U_TOTAL:
-                    if SAME_CHUNK:
-                        r = u64(tid) // U_CHUNKS + u64(it) * U_ROW_STEP
-                        chunk = u64(tid) % U_CHUNKS
-                    else:
-                        r = c // U_CHUNKS
-                        chunk = c % U_CHUNKS
-                    row = u64(start) + r
-                    nbytes = 16 if row < u64(seqlen) and (DATA_CHUNKS == CHUNKS or chunk < U_DATA) else 0
-                    row = min(row, u64(seqlen - 1))  # a valid address even when nothing is read
-                    col = min(chunk, U_DATA - u64(1)) * u64(8)
-                    I.cp_async_16(smem, u64(offset) + r * U_PITCH + chunk * u64(8), src, (b, h, row, col), nbytes)
-
-        return device_function(load_tile)
-
-    if cfg.input_kind == "float16":
+    if input_kind == "float16":
 
         def store_pair(o, b, h, row, col, x, y):
             """o[b, h, row, col : col + 2] = x, y rounded to float16."""
@@ -263,11 +214,6 @@ def forward_tc_kernel(cfg: TCConfig):
 
     store_pair = device_function(store_pair)
 
-    load_q = make_load_tile(BLOCK_M)
-    load_kv = make_load_tile(BLOCK_N)
-
-    # -- the steps of one m-tile (16 query rows of a warp), as inline device functions ------------------
-
     def init_rows(m_i, l_i, acc):
         """m_i = -inf, l_i = 0, acc = 0."""
         for r in range(2):
@@ -276,19 +222,6 @@ def forward_tc_kernel(cfg: TCConfig):
         for dt in range(D_TILES):
             for i in range(4):
                 acc[dt, i] = ZERO
-
-    def load_q_frags(qf, smem, q_lane, kk):
-        """The A fragments of Q for k-step kk (all of them when Q stays in registers)."""
-        for k2 in range(K_STEPS if Q_IN_REGS else 1):
-            f = I.ldmatrix_x4(smem, q_lane + 16 * (k2 if Q_IN_REGS else kk))
-            for i in range(4):
-                qf[k2, i] = f[i]
-
-    def mma_into(C, n, A, ka, b0, b1):
-        """C[n] += A[ka] · (b0, b1): one m16n8k16 product into accumulator tile n."""
-        d = mma(A[ka, 0], A[ka, 1], A[ka, 2], A[ka, 3], b0, b1, C[n, 0], C[n, 1], C[n, 2], C[n, 3])
-        for i in range(4):
-            C[n, i] = d[i]
 
     def mask_scores(S, first_row, k_start, seqlen_q, seqlen_k, causal, g, t):
         """S = -inf where a key is past the visible end of row first_row + g or + g + 8 (ragged tail or above
@@ -333,20 +266,6 @@ def forward_tc_kernel(cfg: TCConfig):
         P[0, 2] = pack(S[2 * kk + 1, 0], S[2 * kk + 1, 1])  # row g,     keys 8 + 2t, 8 + 2t + 1
         P[0, 3] = pack(S[2 * kk + 1, 2], S[2 * kk + 1, 3])  # row g + 8, keys 8 + 2t, 8 + 2t + 1
 
-    def pv_product(acc0, acc1, S0, S1, P0, P1, smem, v_base, first, end):
-        """acc += P V_j over the k-steps [first, end) (keys 16·first .. 16·end - 1), for every m-tile: each V
-        fragment (16 keys × 16 of D, ``ldmatrix.trans``) feeds every m-tile of the warp."""
-        for kk in range(first, end):
-            p_frags(P0, S0, kk)
-            if TWO:
-                p_frags(P1, S1, kk)
-            for d2 in range(D_TILES // 2):
-                vb = I.ldmatrix_x4_trans(smem, v_base + 16 * kk * PITCH + 16 * d2)
-                for half in range(2):
-                    mma_into(acc0, 2 * d2 + half, P0, 0, vb[2 * half], vb[2 * half + 1])
-                    if TWO:
-                        mma_into(acc1, 2 * d2 + half, P1, 0, vb[2 * half], vb[2 * half + 1])
-
     def write_rows(o, lse, acc, m_i, l_i, b, h, first_row, seqlen_q, g, t):
         """O = acc / l, lse = m + log l for rows first_row + g, + g + 8 (head-dim padding not written)."""
         for r in range(2):
@@ -362,10 +281,108 @@ def forward_tc_kernel(cfg: TCConfig):
                 if t == 0:
                     lse[b, h, row] = m_i[r] * LN2 + math.log(l_row) if l_row > 0 else NEG_INF
 
-    init_rows, load_q_frags, mma_into, mask_scores, online_softmax, p_frags, pv_product, write_rows = (
-        device_function(f)
-        for f in (init_rows, load_q_frags, mma_into, mask_scores, online_softmax, p_frags, pv_product, write_rows)
-    )
+    return tuple(device_function(f) for f in (init_rows, mask_scores, online_softmax, p_frags, write_rows))
+
+
+@functools.cache
+def forward_tc_kernel(cfg: TCConfig):
+    """The compiled tensor-core forward kernel for one configuration (cached)."""
+    BLOCK_M, BLOCK_N, D, D_PAD = cfg.block_m, cfg.block_n, cfg.head_dim, cfg.d_pad
+    THREADS, PITCH = cfg.threads, cfg.pitch
+    Q_IN_REGS, TWO = cfg.q_in_regs, cfg.m_tiles == 2  # TWO: each warp owns a second m-tile, 16 rows below
+    WARP_ROWS = 16 * cfg.m_tiles
+    SPLIT_KV = cfg.kv_pipeline == "split"  # FlashAttention-2's single K and V buffers, two cp.async groups per tile
+    K_OFF, V_OFF, _ = shared_offsets(cfg)
+    KV_STRIDE = BLOCK_N * PITCH  # elements from one K (or V) buffer to the other (double buffering)
+    CHUNKS = D_PAD // 8  # 16-byte chunks per shared row ...
+    DATA_CHUNKS = D // 8  # ... of which these hold data (the rest is zero padding)
+    N_TILES = BLOCK_N // 8  # 8-key column tiles of S
+    D_TILES = D_PAD // 8  # 8-wide column tiles of O
+    K_STEPS = D_PAD // 16  # k-steps of Q K^T
+    QF_STEPS = K_STEPS if Q_IN_REGS else 1  # Q fragments held at once
+    PV_STEPS = BLOCK_N // 16  # k-steps of P V
+    # O += P V is two loop nests, over the first and the second half of the k-steps, when a single nest would
+    # hold more than 64 mma (D = 128, 64 keys, two m-tiles: 128).  NVVM unrolls a nest of 64 fully, so that
+    # every S index is a constant; one of 128 it leaves a loop over k-steps, S[2kk] is indexed at run time
+    # and S goes to the stack (local memory).
+    PV_SPLIT = PV_STEPS if PV_STEPS * D_TILES * cfg.m_tiles <= 64 else PV_STEPS // 2
+    ZERO = numba.float32(0)
+    u32, u64 = numba.uint32, numba.uint64
+    SMEM_ALIGN = None if SIMULATOR else 16
+    mma = I.mma_m16n8k16_f16 if cfg.input_kind == "float16" else I.mma_m16n8k16_bf16
+
+    def make_load_tile(ROWS):
+        """``load_tile(smem, offset, src, b, h, start, seqlen, tid)``: cp.async rows ``[start, start + ROWS)``
+        of ``src[b, h]`` to ``smem[offset + r·PITCH]``; rows past ``seqlen`` and the columns of the head-dim
+        padding are zero-filled (a copy of 0 source bytes).
+
+        Each thread copies the 16-byte chunks ``tid, tid + THREADS, ...`` of the
+        tile: a loop of constant trip count (unrolled), in unsigned arithmetic
+        so that ``//`` and ``%`` by the power-of-two CHUNKS are shifts and masks.
+        When THREADS is a multiple of CHUNKS (D_PAD a power of two), a thread
+        copies the same chunk of rows ``tid // CHUNKS + it · THREADS / CHUNKS``,
+        written so: one offset plus constants, rather than a row per iteration
+        that the compiler would keep in a register through the whole key loop.
+        """
+        ITERS = -(-ROWS * CHUNKS // THREADS)
+        EXACT = ROWS * CHUNKS % THREADS == 0
+        SAME_CHUNK = THREADS % CHUNKS == 0
+        U_CHUNKS, U_PITCH, U_THREADS, U_TOTAL = (np.uint64(x) for x in (CHUNKS, PITCH, THREADS, ROWS * CHUNKS))
+        U_DATA, U_ROW_STEP = np.uint64(DATA_CHUNKS), np.uint64(THREADS // CHUNKS)
+
+        def load_tile(smem, offset, src, b, h, start, seqlen, tid):
+            for it in range(ITERS):
+                c = u64(tid) + u64(it) * U_THREADS
+                if EXACT or c < U_TOTAL:
+                    if SAME_CHUNK:
+                        r = u64(tid) // U_CHUNKS + u64(it) * U_ROW_STEP
+                        chunk = u64(tid) % U_CHUNKS
+                    else:
+                        r = c // U_CHUNKS
+                        chunk = c % U_CHUNKS
+                    row = u64(start) + r
+                    nbytes = 16 if row < u64(seqlen) and (DATA_CHUNKS == CHUNKS or chunk < U_DATA) else 0
+                    row = min(row, u64(seqlen - 1))  # a valid address even when nothing is read
+                    col = min(chunk, U_DATA - u64(1)) * u64(8)
+                    I.cp_async_16(smem, u64(offset) + r * U_PITCH + chunk * u64(8), src, (b, h, row, col), nbytes)
+
+        return device_function(load_tile)
+
+
+    load_q = make_load_tile(BLOCK_M)
+    load_kv = make_load_tile(BLOCK_N)
+
+    # -- the steps of one m-tile (16 query rows of a warp), as inline device functions ------------------
+
+    def load_q_frags(qf, smem, q_lane, kk):
+        """The A fragments of Q for k-step kk (all of them when Q stays in registers)."""
+        for k2 in range(K_STEPS if Q_IN_REGS else 1):
+            f = I.ldmatrix_x4(smem, q_lane + 16 * (k2 if Q_IN_REGS else kk))
+            for i in range(4):
+                qf[k2, i] = f[i]
+
+    def mma_into(C, n, A, ka, b0, b1):
+        """C[n] += A[ka] · (b0, b1): one m16n8k16 product into accumulator tile n."""
+        d = mma(A[ka, 0], A[ka, 1], A[ka, 2], A[ka, 3], b0, b1, C[n, 0], C[n, 1], C[n, 2], C[n, 3])
+        for i in range(4):
+            C[n, i] = d[i]
+
+    def pv_product(acc0, acc1, S0, S1, P0, P1, smem, v_base, first, end):
+        """acc += P V_j over the k-steps [first, end) (keys 16·first .. 16·end - 1), for every m-tile: each V
+        fragment (16 keys × 16 of D, ``ldmatrix.trans``) feeds every m-tile of the warp."""
+        for kk in range(first, end):
+            p_frags(P0, S0, kk)
+            if TWO:
+                p_frags(P1, S1, kk)
+            for d2 in range(D_TILES // 2):
+                vb = I.ldmatrix_x4_trans(smem, v_base + 16 * kk * PITCH + 16 * d2)
+                for half in range(2):
+                    mma_into(acc0, 2 * d2 + half, P0, 0, vb[2 * half], vb[2 * half + 1])
+                    if TWO:
+                        mma_into(acc1, 2 * d2 + half, P1, 0, vb[2 * half], vb[2 * half + 1])
+
+    load_q_frags, mma_into, pv_product = (device_function(f) for f in (load_q_frags, mma_into, pv_product))
+    init_rows, mask_scores, online_softmax, p_frags, write_rows = fragment_steps(N_TILES, D_TILES, D, cfg.input_kind)
 
     @kernel(fastmath=True)
     def flash_forward_tc(q, k, v, o, lse, qk_scale_log2, causal):

@@ -185,15 +185,19 @@ __all__ = [
     "WARPGROUP",
     "WGMMA_N",
     "acc_frag_index",
+    "acc_from_array",
+    "acc_to_array",
     "d_acc_frag_index",
     "d_kmajor_interleave_offset",
     "d_kmajor_sw128_offset",
+    "d_mnmajor_sw128_offset",
     "d_make_smem_desc",
     "decode_smem_desc",
     "fence_proxy_async",
     "kmajor_interleave_offset",
     "kmajor_sw128_offset",
     "make_smem_desc",
+    "mnmajor_sw128_offset",
     "smem_address",
     "smem_desc_address",
     "wgmma",
@@ -211,13 +215,14 @@ __all__ = [
     "wgmma_m64n64k16_f16",
     "wgmma_m64n128k16_bf16",
     "wgmma_m64n128k16_f16",
+    "wgmma_rs",
     "wgmma_wait_group",
 ]
 
 #: Threads of a warpgroup (4 warps).
 WARPGROUP = 128
 #: The N of the ``m64nNk16`` shapes provided.
-WGMMA_N = (8, 16, 32, 64, 128)
+WGMMA_N = (8, 16, 32, 64, 128, 192, 256)
 
 #: Swizzle modes (descriptor bits 62-63).
 SWIZZLE_NONE, SWIZZLE_128B, SWIZZLE_64B, SWIZZLE_32B = 0, 1, 2, 3
@@ -277,6 +282,20 @@ def _kmajor_sw128_offset(row, k):
     return (row >> 3) * 1024 + 128 * (row & 7) + 16 * ((k >> 3) ^ (row & 7)) + 2 * (k & 7)
 
 
+def _mnmajor_sw128_offset(mn, k, lbo):
+    """Byte offset of 16-bit element (mn, k) in an MN-major, 128-byte-swizzled tile (``imm-trans = 1``).
+
+    Each k is a 128-byte row of 64 consecutive M/N elements, chunk c of k-row
+    r stored at chunk ``c ^ (r % 8)``; 8 k-rows make a 1024-byte atom, atoms
+    stacked along K densely (SBO = 1024), and 64-wide panels of M/N ``lbo``
+    bytes apart.  A tile stored as ``rows × 64`` (say keys × head-dim columns)
+    is this layout with k = the row: the same bytes as
+    :func:`kmajor_sw128_offset` of (row, column).  The k-step s (k = 16s..16s+15)
+    is ``make_smem_desc(address + 2048·s, lbo, 1024, SWIZZLE_128B)``.
+    """
+    return (mn >> 6) * lbo + (k >> 3) * 1024 + 128 * (k & 7) + 16 * (((mn & 63) >> 3) ^ (k & 7)) + 2 * (mn & 7)
+
+
 def _make_smem_desc(address, leading_byte_offset, stride_byte_offset, swizzle):
     """The 64-bit wgmma matrix descriptor (base offset 0); see the module docstring for the fields."""
     desc = (np.uint64(address) & np.uint64(0x3FFFF)) >> np.uint64(4)
@@ -305,27 +324,49 @@ def decode_smem_desc(desc):
             (desc >> 49) & 7, (desc >> 62) & 3)
 
 
-def smem_desc_address(desc, row, k):
-    """Shared byte address the tensor cores read for 16-bit element (row, k) of a K-major operand ``desc``.
+def smem_desc_address(desc, row, k, mn_major=False):
+    """Shared byte address the tensor cores read for 16-bit element (row, k) of the operand ``desc``.
 
     The hardware model the simulator uses (``row``, ``k`` may be NumPy integer
-    arrays).  No swizzle: core-matrix arithmetic with LBO and SBO.  Swizzled:
-    rows of the atom ``width`` bytes apart (128, 64 or 32), LBO unused, then
-    address bits 4.. XORed with bits 7.. (``Swizzle<3,4,3>``, ``<2,4,3>``,
-    ``<1,4,3>`` in CuTe).  A non-zero base offset is not modelled.
+    arrays); ``row`` is the M (or N) index, ``k`` the K index.
+
+    K-major (``mn_major=False``, ``imm-trans = 0``): 16 consecutive bytes hold 8
+    consecutive k.  No swizzle: core-matrix arithmetic with LBO and SBO.
+    Swizzled: rows of the atom ``width`` bytes apart (128, 64 or 32), LBO
+    unused.
+
+    MN-major (``mn_major=True``, ``imm-trans = 1``; CuTe's canonical
+    ``((T,W,m),(8,k)):((1,T,LBO),(W·T,SBO))``, T = 8 elements): 16 consecutive
+    bytes hold 8 consecutive *rows* (M or N) of one k.  Swizzled: a k-row of
+    ``width`` bytes holds ``width / 2`` consecutive M/N elements; the 8 k-rows
+    of a group are ``width`` bytes apart; **LBO** steps to the next ``width / 2``
+    elements of M/N, **SBO** to the next group of 8 k.  No swizzle: SBO steps
+    8 M/N elements, LBO 8 k.  (For a V tile stored as rows of keys, 64 of D in
+    each 128-byte row: k = key, the rows 128 bytes apart, LBO the distance
+    between 64-column panels of D, SBO = 1024.)
+
+    Swizzled addresses then have bits 4.. XORed with bits 7.. (``Swizzle<3,4,3>``,
+    ``<2,4,3>``, ``<1,4,3>`` in CuTe).  A non-zero base offset is not modelled.
     """
     start, lbo, sbo, base_offset, swizzle = decode_smem_desc(desc)
     if base_offset:
         raise NotImplementedError("wgmma descriptors with a non-zero base offset are not modelled")
-    chunk, e = k // 8, k % 8  # 16-byte chunk along K, element within it
-    if swizzle == SWIZZLE_NONE:
-        return start + (row // 8) * sbo + chunk * lbo + 16 * (row % 8) + 2 * e
-    width = _SWIZZLE_BYTES[swizzle]
+    if mn_major:
+        if swizzle == SWIZZLE_NONE:
+            return start + (row // 8) * sbo + (k // 8) * lbo + 16 * (k % 8) + 2 * (row % 8)
+        width = _SWIZZLE_BYTES[swizzle]
+        per_row = width // 2  # M/N elements in one swizzled k-row
+        linear = start + (row // per_row) * lbo + (k // 8) * sbo + width * (k % 8) + 2 * (row % per_row)
+    else:
+        chunk, e = k // 8, k % 8  # 16-byte chunk along K, element within it
+        if swizzle == SWIZZLE_NONE:
+            return start + (row // 8) * sbo + chunk * lbo + 16 * (row % 8) + 2 * e
+        width = _SWIZZLE_BYTES[swizzle]
+        linear = start + (row // 8) * sbo + width * (row % 8) + 16 * chunk + 2 * e
     mask = width // 16 - 1
     if (start >> 7) & mask:
         raise NotImplementedError(f"a {width}-byte-swizzled operand must start in row 0 of its swizzle pattern "
                                   f"(shared address {start:#x}); the base offset that would fix it is not modelled")
-    linear = start + (row // 8) * sbo + width * (row % 8) + 16 * chunk + 2 * e
     return linear ^ (((linear >> 7) & mask) << 4)
 
 
@@ -333,11 +374,13 @@ def smem_desc_address(desc, row, k):
 acc_frag_index = _acc_frag_index
 kmajor_interleave_offset = _kmajor_interleave_offset
 kmajor_sw128_offset = _kmajor_sw128_offset
+mnmajor_sw128_offset = _mnmajor_sw128_offset
 
 # ... and the same source compiled for kernels.
 d_acc_frag_index = device_function(_acc_frag_index)
 d_kmajor_interleave_offset = device_function(_kmajor_interleave_offset)
 d_kmajor_sw128_offset = device_function(_kmajor_sw128_offset)
+d_mnmajor_sw128_offset = device_function(_mnmajor_sw128_offset)
 d_make_smem_desc = device_function(_make_smem_desc)
 
 
@@ -549,6 +592,122 @@ def _sim_wgmma_tile(n, to_f32, ops):
     return d[idx[..., 0], idx[..., 1]].astype(np.float32)
 
 
+def _a_reg_table():
+    """(128, 4, 2, 2): (row, k) of the low and high half of A register r of every thread (RS form).
+
+    Warp w of the warpgroup holds rows 16w..16w+15 exactly as one warp holds
+    the A fragment of ``mma.m16n8k16`` (PTX ISA figure "WGMMA .m64nNk16
+    register fragment layout for matrix A"): lane 4g + t, register r holds row
+    g + 8·(r & 1), k = 8·(r >> 1) + 2t (low half) and + 1 (high half).
+    """
+    table = np.zeros((WARPGROUP, 4, 2, 2), dtype=np.int64)
+    for thread in range(WARPGROUP):
+        w, lane = divmod(thread, 32)
+        g, t = divmod(lane, 4)
+        for r in range(4):
+            for half in range(2):
+                table[thread, r, half] = (16 * w + g + 8 * (r & 1), 8 * (r >> 1) + 2 * t + half)
+    return table
+
+
+_A_REGS = _a_reg_table()
+
+
+def _sim_wgmma_rs(n, to_f32, trans_b, a_regs, desc_b, acc, scale_d):
+    if len(acc) != n // 2:
+        raise TypeError(f"wgmma m64n{n}k16 takes {n // 2} accumulators, got {len(acc)}")
+    state = _thread_state()
+    if not state["fenced"]:
+        raise RuntimeError("wgmma issued without a wgmma_fence() since the last wgmma_wait_group")
+    if not state["proxy_fenced"]:
+        raise RuntimeError("wgmma issued before any fence_proxy_async(): shared-memory tiles written with "
+                           "ordinary stores are not visible to the tensor cores without it")
+    index, wg = _sim_warpgroup()
+    wg.slots[index] = (int(desc_b), bool(scale_d), tuple(np.float32(x) for x in acc),
+                       tuple(int(np.uint32(x)) for x in a_regs))
+    wg.barrier.wait()  # every thread has published its operands
+    if index == 0:
+        try:
+            wg.result = _sim_wgmma_rs_tile(n, to_f32, trans_b, list(wg.slots))
+        except Exception as exc:  # re-raised in every thread below
+            wg.result = exc
+    wg.barrier.wait()  # the result is ready
+    result = wg.result
+    wg.barrier.wait()  # every thread has read it before the next wgmma overwrites it
+    if isinstance(result, Exception):
+        raise result
+    return tuple(result[index])
+
+
+def _sim_wgmma_rs_tile(n, to_f32, trans_b, ops):
+    """The whole warpgroup's D from the 128 threads' A registers and the shared B tile (RS form)."""
+    desc_b, scale_d = ops[0][:2]
+    for op in ops:
+        if op[:2] != (desc_b, scale_d):
+            raise ValueError("the threads of a warpgroup gave different wgmma descriptors or scale-d")
+    words = np.array([op[3] for op in ops], dtype=np.uint32)  # (128, 4)
+    halves = np.stack([words & 0xFFFF, words >> 16], axis=-1).astype(np.uint16)  # (128, 4, 2)
+    a = np.zeros((64, 16))
+    a[_A_REGS[..., 0], _A_REGS[..., 1]] = to_f32(halves).astype(np.float64)
+    space = _sim_block_state("_nbflash_smem", _SimSharedSpace)
+    k = np.arange(16)[None, :]
+    b = to_f32(space.read_u16(smem_desc_address(desc_b, np.arange(n)[:, None], k, mn_major=trans_b)))
+    d = a @ b.astype(np.float64).T
+    idx = _acc_table(n)
+    if scale_d:
+        c = np.zeros((64, n))
+        c[idx[..., 0], idx[..., 1]] = np.array([op[2] for op in ops], dtype=np.float32)
+        d = d + c
+    return d[idx[..., 0], idx[..., 1]].astype(np.float32)
+
+
+def _make_sim_wgmma_rs(n, kind, trans_b):
+    to_f32 = f16_bits_to_f32 if kind == "f16" else bf16_bits_to_f32
+
+    def wgmma_rs(a0, a1, a2, a3, desc_b, acc, scale_d):
+        return _sim_wgmma_rs(n, to_f32, bool(trans_b), (a0, a1, a2, a3), desc_b, acc, scale_d)
+
+    major = "N-major (``imm-trans-b = 1``: 8 consecutive n of one k in 16 bytes)" if trans_b else "K-major"
+    wgmma_rs.__name__ = f"wgmma_m64n{n}k16_rs_{kind}" + ("_tb" if trans_b else "")
+    wgmma_rs.__doc__ = f"""D = A·B + D for a 64×{n} tile by one warpgroup, A (64×16) in registers; {kind} in, f32 out.
+
+    PTX: ``wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} {{d0..d{n // 2 - 1}}}, {{a0, a1, a2, a3}},
+    desc_b, p, 1, 1, {int(bool(trans_b))}`` with ``p = scale_d != 0``; sm_90a.
+
+    ``a0..a3``: this thread's A fragment, four 32-bit registers of two 16-bit values, laid out per
+    warp as the A fragment of ``mma.m16n8k16`` (warp w of the warpgroup: rows 16w..16w+15) — so the
+    accumulators of an earlier wgmma, packed pairwise, are an A operand (FlashAttention's P·V);
+    ``desc_b``: descriptor of B (16 × {n} as k × n), {major} in shared memory;
+    ``acc``, ``scale_d``: as for the shared-memory form.
+
+    Simulator: the threads exchange registers and descriptors; B read at the addresses
+    :func:`smem_desc_address` gives (``mn_major={bool(trans_b)}``); products exact, the sum in float64.
+    """
+    return wgmma_rs
+
+
+def _sim_acc_from_array(arr, n):
+    """The first N/2 values of the float32 array ``arr`` (row-major) as an accumulator tuple for ``m64nNk16``.
+
+    The way back from a register array (``cuda.local.array``, indexed by
+    constants, so that it stays in registers) into wgmma's operand; no
+    instruction beyond register moves.  ``n`` must be a compile-time constant.
+    """
+    flat = arr.reshape(-1)
+    return tuple(np.float32(flat[i]) for i in range(n // 2))
+
+
+def _sim_acc_to_array(acc, arr):
+    """Store the accumulator tuple ``acc`` into the float32 array ``arr`` (row-major, at least as long).
+
+    The inverse of :func:`acc_from_array`: one store per value at a constant
+    index, so that the array stays in registers whatever loop follows.
+    """
+    flat = arr.reshape(-1)
+    for i, x in enumerate(acc):
+        flat[i] = x
+
+
 def _make_sim_wgmma(n, kind):
     to_f32 = f16_bits_to_f32 if kind == "f16" else bf16_bits_to_f32
 
@@ -691,6 +850,72 @@ def _make_gpu_wgmma(n, kind):
     return intrinsic(wgmma)
 
 
+def _make_gpu_wgmma_rs(n, kind, trans_b):
+    count = n // 2
+    regs = ", ".join(f"${i}" for i in range(count))
+    a = 2 * count  # operand numbers: outputs, tied inputs, then the four A registers, desc_b, scale_d
+    b, s = a + 4, a + 5
+    ptx = ("{ .reg .pred p; "
+           f"setp.ne.b32 p, ${s}, 0; "
+           f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} "
+           f"{{{regs}}}, {{${a}, ${a + 1}, ${a + 2}, ${a + 3}}}, ${b}, p, 1, 1, {int(bool(trans_b))}; }}")
+    constraints = ",".join(["=f"] * count + [str(i) for i in range(count)] + ["r"] * 4 + ["l", "r"]) + ",~{memory}"
+
+    def wgmma_rs(typingctx, a0, a1, a2, a3, desc_b, acc, scale_d):
+        if not (_is_int(a0, a1, a2, a3, desc_b) and _is_acc(acc) and acc.count == count
+                and isinstance(scale_d, (types.Integer, types.Boolean))):
+            return None
+        sig = types.UniTuple(types.float32, count)(a0, a1, a2, a3, desc_b, acc, scale_d)
+
+        def codegen(context, builder, sig, args):
+            vals = [context.cast(builder, builder.extract_value(args[5], i), sig.args[5].dtype, types.float32)
+                    for i in range(count)]
+            regs_a = [context.cast(builder, args[i], sig.args[i], types.uint32) for i in range(4)]
+            db = context.cast(builder, args[4], sig.args[4], types.uint64)
+            sd = context.cast(builder, args[6], sig.args[6], types.uint32)
+            res = _asm(builder, ir.LiteralStructType([_F32] * count), [_F32] * count + [_I32] * 4 + [_I64, _I32],
+                       ptx, constraints, vals + regs_a + [db, sd], side_effect=True, warp_wide=True)
+            outs = [builder.extract_value(res, i) for i in range(count)] if count > 1 else [res]
+            return context.make_tuple(builder, sig.return_type, outs)
+
+        return sig, codegen
+
+    wgmma_rs.__name__ = f"wgmma_m64n{n}k16_rs_{kind}" + ("_tb" if trans_b else "")
+    return intrinsic(wgmma_rs)
+
+
+@intrinsic
+def _gpu_acc_from_array(typingctx, arr, n):
+    if not (isinstance(arr, types.Array) and arr.dtype == types.float32 and arr.layout == "C"
+            and isinstance(n, types.IntegerLiteral) and int(n.literal_value) in WGMMA_N):
+        return None
+    count = int(n.literal_value) // 2
+    sig = types.UniTuple(types.float32, count)(arr, n)
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        outs = [builder.load(builder.gep(data, [ir.Constant(_I64, i)])) for i in range(count)]
+        return context.make_tuple(builder, sig.return_type, outs)
+
+    return sig, codegen
+
+
+@intrinsic
+def _gpu_acc_to_array(typingctx, acc, arr):
+    if not (_is_acc(acc) and isinstance(arr, types.Array) and arr.dtype == types.float32 and arr.layout == "C"):
+        return None
+    count = acc.count
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[1])(context, builder, args[1]).data
+        for i in range(count):
+            x = context.cast(builder, builder.extract_value(args[0], i), sig.args[0].dtype, types.float32)
+            builder.store(x, builder.gep(data, [ir.Constant(_I64, i)]))
+        return context.get_dummy_value()
+
+    return types.void(acc, arr), codegen
+
+
 # ----------------------------------------------------------------------------
 # The public names: one implementation or the other
 # ----------------------------------------------------------------------------
@@ -728,6 +953,20 @@ wgmma_m64n128k16_f16 = _WGMMA[128, "f16"]
 wgmma_m64n128k16_bf16 = _WGMMA[128, "bf16"]
 
 
+_WGMMA_RS = {(n, kind, tb): _public(_make_sim_wgmma_rs(n, kind, tb), functools.partial(_make_gpu_wgmma_rs, n, kind, tb))
+              for n in WGMMA_N for kind in ("f16", "bf16") for tb in (False, True)}
+acc_from_array = _public(_sim_acc_from_array, lambda: _gpu_acc_from_array)
+acc_to_array = _public(_sim_acc_to_array, lambda: _gpu_acc_to_array)
+
+
 def wgmma(n, kind):
     """The ``wgmma_m64n{n}k16_{kind}`` function (``kind``: ``"f16"`` or ``"bf16"``), for kernel factories."""
     return _WGMMA[n, kind]
+
+
+def wgmma_rs(n, kind, trans_b=False):
+    """The register-A form ``wgmma_m64n{n}k16_rs_{kind}`` (``_tb``: B N-major), for kernel factories.
+
+    Called as ``acc = f(a0, a1, a2, a3, desc_b, acc, scale_d)``.
+    """
+    return _WGMMA_RS[n, kind, bool(trans_b)]

@@ -69,6 +69,7 @@ from . import _launch
 from . import api as _api
 from . import forward as _fwd
 from . import forward_tc as _tc
+from . import forward_wgmma as _wg
 from ._device import SIMULATOR
 from ._launch import ArrayArg
 from ._validate import LAYOUTS, MAX_HEAD_DIM, check_scale
@@ -316,6 +317,8 @@ def _launch_forward(plan, arrays, scale: float, causal: bool, stream) -> None:
     """The forward kernel of ``plan`` on descriptors ``q, k, v, o, lse``."""
     if plan.backend == "tensor_core":
         _tc.launch_forward_tc(plan.config, *arrays, scale, bool(causal), stream=stream, check=False)
+    elif plan.backend == "wgmma":
+        _wg.launch_forward_wgmma(plan.config, *arrays, scale, bool(causal), stream=stream, check=False)
     else:
         _fwd.launch_forward(plan.config, *arrays, scale, bool(causal), stream=stream)
 
@@ -577,7 +580,8 @@ def attention(
             Free either way: the other layout is a strided view, never a copy.
         backend: the kernels: ``"auto"`` (tensor cores for float16 and
             bfloat16 on an sm_80+ GPU where they apply, SIMT otherwise),
-            ``"simt"`` or ``"tensor_core"`` — for the forward and, through
+            ``"simt"``, ``"tensor_core"`` or ``"wgmma"`` (the Hopper forward;
+            its backward is the tensor-core one) — for the forward and, through
             autograd, the backward (see :func:`nbflash.which_backend`).
 
     Returns:

@@ -63,9 +63,14 @@ def _host(a):
     return a if isinstance(a, np.ndarray) else a.get()
 
 
-def run_and_check(xp, rng, n_q, n_k, d, kind, causal, cfg=None, layout="bhsd", batch=1, heads=2):
-    """Run the kernel on ``xp`` arrays (NumPy in the simulator, CuPy on a GPU) and check o and lse."""
+def run_and_check(xp, rng, n_q, n_k, d, kind, causal, cfg=None, layout="bhsd", batch=1, heads=2, launch=None):
+    """Run the kernel on ``xp`` arrays (NumPy in the simulator, CuPy on a GPU) and check o and lse.
+
+    ``launch``: the kernel's launcher (``launch(cfg, q, k, v, o, lse, scale, causal)``), by default this
+    module's; the wgmma forward's tests pass theirs.
+    """
     cfg = cfg or F.choose_config(d, kind)
+    launch = launch or F.launch_forward_tc
     shape = (lambda n: (batch, heads, n, d)) if layout == "bhsd" else (lambda n: (batch, n, heads, d))
     (q, qv), (k, kv), (v, vv) = (
         to_kind(rng.standard_normal(shape(n)).astype(np.float32), kind) for n in (n_q, n_k, n_k)
@@ -75,7 +80,7 @@ def run_and_check(xp, rng, n_q, n_k, d, kind, causal, cfg=None, layout="bhsd", b
     canon = (lambda x: x) if layout == "bhsd" else (lambda x: x.transpose(0, 2, 1, 3))
     lse = xp.zeros((batch, heads, n_q), dtype=np.float32)
     scale = 1 / math.sqrt(d)
-    F.launch_forward_tc(cfg, canon(q), canon(k), canon(v), canon(o), lse, scale, causal)
+    launch(cfg, canon(q), canon(k), canon(v), canon(o), lse, scale, causal)
 
     qv, kv, vv = canon(qv), canon(kv), canon(vv)
     ref_o, ref_lse = attention_ref(qv, kv, vv, causal=causal, scale=scale)

@@ -327,3 +327,121 @@ def test_ptx_names_in_docstrings():
         for kind in KINDS:
             doc = H.wgmma(n, kind).__doc__
             assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k16\.f32\.{kind}\.{kind}", doc)
+
+
+# ----------------------------------------------------------------------------
+# The register-A form (A in registers, as P in P·V) with a K-major or N-major B
+# ----------------------------------------------------------------------------
+
+
+def test_mn_major_addresses_agree_with_the_helper():
+    """N-major 128B swizzle: the descriptor model reads back what ``mnmajor_sw128_offset`` wrote, per k-step."""
+    base, lbo = 8192, 4096
+    for s in range(2):  # k-steps: 16 k-rows = 2048 bytes each
+        desc = H.make_smem_desc(base + 2048 * s, lbo, 1024, H.SWIZZLE_128B)
+        for n in range(128):
+            for k in range(16):
+                want = base + H.mnmajor_sw128_offset(n, 16 * s + k, lbo)
+                assert H.smem_desc_address(desc, n, k, mn_major=True) == want
+    # A tile of rows × 64 columns, rows K-major-swizzled, is the N-major tile with k = row.
+    assert all(H.mnmajor_sw128_offset(c, r, 0) == H.kmajor_sw128_offset(r, c) for r in range(32) for c in range(64))
+    offs = sorted(H.mnmajor_sw128_offset(n, k, 2048) for n in range(128) for k in range(16))
+    assert offs == list(range(0, 4096, 2))  # two panels of 16 k-rows × 128 bytes: a permutation
+
+
+@functools.cache
+def wgmma_rs_kernel(kind, n, trans_b, broken=None):
+    """D (64×n) = A (64×16, from registers) · B (16×n) through the register-A wgmma, B in shared memory
+    128B-swizzled, N-major (``trans_b``) or K-major.  ``broken="a_rows"``: the A registers of rows g and
+    g + 8 swapped (a wrong fragment index)."""
+    mma = H.wgmma_rs(n, kind, trans_b)
+    lbo = 16 * 128  # N-major: 64-column panels of n, 16 k-rows of 128 bytes each
+    swap = broken == "a_rows"
+
+    @kernel
+    def wgmma_rs_tile(a, b, out):
+        tid = cuda.threadIdx.x
+        smem = cuda.shared.array(8192 // 2 if n <= 64 else n * 64, numba.uint16, alignment=SMEM_ALIGN)
+        for e in range(tid, 16 * n, 128):
+            k = e // n
+            c = e % n
+            off = H.d_mnmajor_sw128_offset(c, k, lbo) if trans_b else H.d_kmajor_sw128_offset(c, k)
+            smem[off // 2] = b[k, c]
+        H.fence_proxy_async()  # my st.shared writes → visible to the tensor cores
+        cuda.syncthreads()  # ... and everyone's
+        lane = tid % 32
+        row = 16 * (tid // 32) + lane // 4
+        col = 2 * (lane % 4)
+        r0 = row + 8 if swap else row
+        r1 = row if swap else row + 8
+        a0 = numba.uint32(a[r0, col]) | (numba.uint32(a[r0, col + 1]) << 16)
+        a1 = numba.uint32(a[r1, col]) | (numba.uint32(a[r1, col + 1]) << 16)
+        a2 = numba.uint32(a[r0, col + 8]) | (numba.uint32(a[r0, col + 9]) << 16)
+        a3 = numba.uint32(a[r1, col + 8]) | (numba.uint32(a[r1, col + 9]) << 16)
+        acc = H.wgmma_fence_operand(H.wgmma_acc_zeros(n))
+        H.wgmma_fence()
+        desc = H.d_make_smem_desc(H.smem_address(smem, 0), lbo if trans_b else 16, 1024, H.SWIZZLE_128B)
+        acc = mma(a0, a1, a2, a3, desc, acc, 0)
+        H.wgmma_commit_group()
+        H.wgmma_wait_group(0)
+        acc = H.wgmma_fence_operand(acc)
+        for i in range(n // 2):
+            r, c = H.d_acc_frag_index(tid, i)
+            out[r, c] = acc[i]
+
+    return wgmma_rs_tile
+
+
+def run_wgmma_rs(rng, kind, n, trans_b, broken=None, xp=np):
+    a_bits, a = to_bits(rng.standard_normal((64, 16)), kind)
+    b_bits, b = to_bits(rng.standard_normal((16, n)), kind)
+    out = xp.full((64, n), np.nan, dtype=np.float32)
+    wgmma_rs_kernel(kind, n, trans_b, broken)[1, 128](xp.asarray(a_bits), xp.asarray(b_bits), out)
+    out = out.get() if hasattr(out, "get") else out
+    return out, a, b.T  # assert_product takes B as n × k
+
+
+RS_CASES = [("f16", 64, True), ("bf16", 128, True), ("f16", 16, False), ("bf16", 64, False)]
+
+
+@sim_only
+@pytest.mark.parametrize("kind,n,trans_b", RS_CASES)
+def test_wgmma_rs_matches_numpy(rng, kind, n, trans_b):
+    out, a, b = run_wgmma_rs(rng, kind, n, trans_b)
+    assert_product(out, a, b)
+
+
+@sim_only
+def test_wgmma_rs_test_catches_a_wrong_fragment(rng):
+    out, a, b = run_wgmma_rs(rng, "f16", 64, True, broken="a_rows")
+    with pytest.raises(AssertionError):
+        assert_product(out, a, b)
+
+
+@sim_only
+def test_acc_from_array_round_trip():
+    @kernel
+    def round_trip(out):
+        arr = cuda.local.array((4, 4), numba.float32)
+        for i in range(16):
+            arr[i // 4, i % 4] = cuda.threadIdx.x * 100 + i
+        acc = H.acc_from_array(arr, 32)
+        back = cuda.local.array((2, 8), numba.float32)
+        H.acc_to_array(acc, back)
+        for i in range(16):
+            out[cuda.threadIdx.x, i] = back[i // 8, i % 8]
+
+    out = np.zeros((2, 16), np.float32)
+    round_trip[1, 2](out)
+    assert np.array_equal(out, np.arange(16)[None, :] + 100 * np.arange(2)[:, None])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,n,trans_b", RS_CASES + [("f16", 256, True), ("bf16", 192, True)])
+def test_wgmma_rs_on_gpu(rng, xp, kind, n, trans_b):
+    from nbflash._device import compute_capability
+
+    if compute_capability() != (9, 0):
+        pytest.skip("wgmma needs an sm_90 (Hopper) GPU")
+    out, a, b = run_wgmma_rs(rng, kind, n, trans_b, xp=xp)
+    assert_product(out, a, b)

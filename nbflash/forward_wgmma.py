@@ -1,0 +1,372 @@
+"""The FlashAttention forward pass on Hopper's warpgroup tensor cores: ``wgmma.mma_async``.
+
+The algorithm of :mod:`nbflash.forward_tc` (read that one first), with both
+matrix products issued by a whole *warpgroup* (4 warps, 128 threads) as
+``wgmma.mma_async`` (:mod:`nbflash.hopper`) instead of per-warp ``mma.sync``:
+
+* ``S = Q_i K_jᵀ`` reads **both operands from shared memory** through matrix
+  descriptors: no ``ldmatrix``, no fragment registers for Q or K;
+* ``O += P V_j`` takes **P from registers** (the S accumulators, packed to 16
+  bits: the accumulator layout of a wgmma is, warp by warp, the A-fragment
+  layout, FlashAttention's register reuse as in FlashAttention-2/3) and V from
+  shared memory, read *N-major* (``imm-trans-b = 1``) so V_j is stored as it
+  arrives, row by row, with no transpose.
+
+Shapes (every tensor indexed ``[batch, head, row, d]``; ``bshd`` arrives as a strided view)::
+
+    q   (B, H, N_q, D)      k, v  (B, H, N_k, D)      float16, or bfloat16 as raw uint16 bits
+    o   (B, H, N_q, D)      like q                     lse  (B, H, N_q)  float32
+
+Grid: one block per (query tile, head, batch), ``BLOCK_M = 64 · warpgroups``
+queries; warpgroup w owns rows 64w..64w+63 of the tile, and inside it warp
+v owns 16 rows, exactly as in the ``mma.sync`` kernel: the softmax, masking
+and epilogue are the same device functions (:func:`nbflash.forward_tc.fragment_steps`).
+
+Shared memory: Q_i, K_j and V_j in the **128-byte-swizzled** layout that
+wgmma reads without bank conflicts (:func:`nbflash.hopper.kmajor_sw128_offset`):
+the head dim cut into panels of 64 columns (128 bytes; D padded to a multiple
+of 64 with zeros), each row of a panel one 128-byte line whose 16-byte chunk c
+is stored at chunk ``c ^ (row % 8)``.  The same bytes are a K-major operand
+(rows of Q or K, k = d) and an N-major one (V: k = key, n = d)::
+
+    Q_i  panel 0 | panel 1 ...     BLOCK_M × 128 bytes each      (A of S, K-major)
+    K_j  panel 0 | panel 1 ...     BLOCK_N × 128 bytes each      (B of S, K-major)
+    V_j  panel 0 | panel 1 ...     BLOCK_N × 128 bytes each      (B of P V, N-major; LBO = panel size)
+
+The steps (one K and one V buffer, FlashAttention-2's split ``cp.async``
+pipeline, two barriers per key tile):
+
+1. ``cp.async`` Q_i and K_0 into shared memory (one group).
+2. For each visible key tile j (causal tiles above the diagonal skipped):
+
+   a. wait for K_j, ``fence.proxy.async`` (cp.async writes through the generic
+      proxy, the tensor cores read through the async one), barrier; start the
+      copy of V_j;
+   b. ``S = Q_i K_jᵀ``: D/16 wgmmas of ``m64n{BLOCK_N}k16`` over the k-steps
+      (each a descriptor 32 bytes further along the swizzled line, or the next
+      panel), one commit, wait;
+   c. mask (ragged tail, causal diagonal) where the tile needs it;
+      wait for V_j, fence, barrier; start the copy of K_{j+1};
+   d. online softmax in registers (:func:`~nbflash.forward_tc.fragment_steps`):
+      P = 2^(S·scale·log2 e − m), O rescaled;
+   e. ``O += P V_j``: BLOCK_N/16 register-A wgmmas of ``m64n{D_pad}k16``, one
+      commit, wait.
+
+3. ``O_i = acc / l_i``, ``lse_i = m_i + log l_i`` written once.
+
+Why the barriers suffice: every wgmma group is waited for (``wgmma.wait_group
+0``) before its warpgroup goes on, so by the barrier of step 2a every
+warpgroup has finished reading V_{j-1}, and by that of step 2c it has finished
+reading K_j; only then are those buffers refilled.
+
+Requires sm_90a.  Constraints (:func:`can_implement`) as for the ``mma.sync``
+kernel: D a multiple of 8 up to 256; rows whole, 16-byte-aligned chunks.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import hopper as HW
+from . import intrinsics as I
+from ._device import SIMULATOR, compute_capability, cuda, device_function, kernel, launch, max_shared_per_block, numba
+from ._tiles import LOG2E
+from ._validate import chunked_rows_problem
+from .forward_tc import fragment_steps
+from .masking import d_key_range, d_tile_needs_mask
+
+__all__ = [
+    "WGConfig",
+    "can_implement",
+    "choose_config",
+    "forward_wgmma_kernel",
+    "kernel_signature",
+    "launch_forward_wgmma",
+    "shared_bytes",
+]
+
+PANEL = 64  # head-dim columns per 128-byte swizzled line
+
+
+@dataclass(frozen=True)
+class WGConfig:
+    """Compile-time constants of the wgmma forward kernel.
+
+    ``block_m`` query rows per block, 64 per warpgroup; ``block_n`` keys per
+    K/V tile (the N of the ``S = Q Kᵀ`` wgmma).
+    """
+
+    block_m: int  # 64 per warpgroup, 1 to 3 warpgroups
+    block_n: int  # keys per K/V tile: a wgmma N (16 ... 256)
+    head_dim: int  # D, a multiple of 8 up to 256 (padded to a multiple of 64 inside)
+    input_kind: str  # "float16" or "bfloat16"
+
+    def __post_init__(self):
+        if self.block_m not in (64, 128, 192):
+            raise ValueError(f"block_m must be 64, 128 or 192 (64 rows per warpgroup), got {self.block_m}")
+        if self.block_n not in HW.WGMMA_N or self.block_n < 16:
+            raise ValueError(f"block_n must be one of {HW.WGMMA_N[1:]} (a wgmma N, 16 keys per k-step), "
+                             f"got {self.block_n}")
+        if self.head_dim <= 0 or self.head_dim % 8 or self.head_dim > 256:
+            raise ValueError(f"head_dim must be a multiple of 8 up to 256, got {self.head_dim}")
+        if self.input_kind not in ("float16", "bfloat16"):
+            raise ValueError(f"input_kind must be 'float16' or 'bfloat16', got {self.input_kind!r}")
+
+    @property
+    def warpgroups(self) -> int:
+        return self.block_m // 64
+
+    @property
+    def threads(self) -> int:
+        return HW.WARPGROUP * self.warpgroups
+
+    @property
+    def d_pad(self) -> int:
+        """D rounded up to whole 64-column panels; the padding is zero in shared memory."""
+        return -(-self.head_dim // PANEL) * PANEL
+
+
+def shared_offsets(cfg: WGConfig) -> tuple[int, int, int]:
+    """Element offsets of K_j and V_j (Q_i starts at 0), and the end; every tile starts 1024-byte aligned."""
+    k_off = cfg.block_m * cfg.d_pad
+    v_off = k_off + cfg.block_n * cfg.d_pad
+    return k_off, v_off, v_off + cfg.block_n * cfg.d_pad
+
+
+@functools.cache
+def shared_bytes(cfg: WGConfig) -> int:
+    """Dynamic shared memory of one block (bytes)."""
+    return shared_offsets(cfg)[-1] * 2
+
+
+@functools.cache
+def forward_wgmma_kernel(cfg: WGConfig):
+    """The compiled wgmma forward kernel for one configuration (cached)."""
+    BLOCK_M, BLOCK_N, D, D_PAD = cfg.block_m, cfg.block_n, cfg.head_dim, cfg.d_pad
+    THREADS = cfg.threads
+    K_OFF, V_OFF, _ = shared_offsets(cfg)
+    CHUNKS = D_PAD // 8  # 16-byte chunks per row ...
+    DATA_CHUNKS = D // 8  # ... of which these hold data (the rest is zero padding)
+    N_TILES = BLOCK_N // 8  # 8-key column tiles of S (per warp, the mma.m16n8 accumulator layout)
+    D_TILES = D_PAD // 8  # 8-wide column tiles of O
+    K_STEPS = D_PAD // 16  # k-steps of Q K^T
+    PV_STEPS = BLOCK_N // 16  # k-steps of P V
+    Q_PANEL, KV_PANEL = BLOCK_M * PANEL * 2, BLOCK_N * PANEL * 2  # bytes of one 64-column panel of a tile
+    SW128, SBO = HW.SWIZZLE_128B, 1024  # 8 swizzled 128-byte lines per atom, atoms stacked densely
+    kind = "f16" if cfg.input_kind == "float16" else "bf16"
+    wgmma_s = HW.wgmma(BLOCK_N, kind)  # S = Q K^T: both operands in shared memory, K-major
+    wgmma_pv = HW.wgmma_rs(D_PAD, kind, trans_b=True)  # O += P V: P in registers, V N-major
+    u32, u64 = numba.uint32, numba.uint64
+    SMEM_ALIGN = None if SIMULATOR else 1024  # a 128-byte-swizzle atom must start 1024-byte aligned
+    init_rows, mask_scores, online_softmax, p_frags, write_rows = fragment_steps(N_TILES, D_TILES, D, cfg.input_kind)
+
+    def make_load_tile(ROWS):
+        """``load_tile(smem, offset, src, b, h, start, seqlen, tid)``: cp.async rows ``[start, start + ROWS)``
+        of ``src[b, h]`` into the swizzled tile at ``smem[offset]``; rows past ``seqlen`` and the head-dim
+        padding are zero-filled (a copy of 0 source bytes).
+
+        Consecutive threads copy consecutive 16-byte chunks of a row (coalesced reads); the eight chunks of
+        one 128-byte line land on eight different chunk slots (``c ^ (row % 8)``), so the writes do not
+        conflict either.
+        """
+        ITERS = -(-ROWS * CHUNKS // THREADS)
+        EXACT = ROWS * CHUNKS % THREADS == 0
+        U_CHUNKS, U_THREADS, U_TOTAL = np.uint64(CHUNKS), np.uint64(THREADS), np.uint64(ROWS * CHUNKS)
+        U_DATA, U_PANEL = np.uint64(DATA_CHUNKS), np.uint64(ROWS * PANEL)
+
+        def load_tile(smem, offset, src, b, h, start, seqlen, tid):
+            for it in range(ITERS):
+                c = u64(tid) + u64(it) * U_THREADS
+                if EXACT or c < U_TOTAL:
+                    r = c // U_CHUNKS
+                    chunk = c % U_CHUNKS
+                    row = u64(start) + r
+                    nbytes = 16 if row < u64(seqlen) and (DATA_CHUNKS == CHUNKS or chunk < U_DATA) else 0
+                    row = min(row, u64(seqlen - 1))  # a valid address even when nothing is read
+                    col = min(chunk, U_DATA - u64(1)) * u64(8)
+                    swizzled = ((chunk & u64(7)) ^ (r & u64(7))) << u64(3)  # chunk c of line r at c ^ (r % 8)
+                    dst = u64(offset) + (chunk >> u64(3)) * U_PANEL + r * u64(PANEL) + swizzled
+                    I.cp_async_16(smem, dst, src, (b, h, row, col), nbytes)
+
+        return device_function(load_tile)
+
+    load_q = make_load_tile(BLOCK_M)
+    load_kv = make_load_tile(BLOCK_N)
+
+    @kernel(fastmath=True)
+    def flash_forward_wgmma(q, k, v, o, lse, qk_scale_log2, causal):
+        """One block: O_i and lse_i for BLOCK_M queries of one (batch, head)."""
+        seqlen_q = q.shape[2]
+        seqlen_k = k.shape[2]
+        q_start = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BLOCK_M  # longest causal rows first
+        h = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        tid = numba.int64(u32(cuda.threadIdx.x))
+        wg = tid // HW.WARPGROUP  # this thread's warpgroup: rows 64·wg .. 64·wg + 63 of the tile
+        lane = tid % 32
+        g = lane // 4  # this thread's rows g and g + 8 of its warp's 16 ...
+        t = lane % 4  # ... and columns 2t, 2t + 1 of every 8-column tile
+        row0 = q_start + 16 * (tid // 32)  # the warp's first row
+        smem = cuda.shared.array(0, numba.uint16, alignment=SMEM_ALIGN)
+
+        S = cuda.local.array((N_TILES, 4), numba.float32)  # S (then P), this thread's part
+        acc = cuda.local.array((D_TILES, 4), numba.float32)  # O accumulators
+        P = cuda.local.array((1, 4), numba.uint32)  # P's A fragment of one k-step
+        m_i = cuda.local.array(2, numba.float32)  # rows g, g + 8: running max (base-2 scaled) ...
+        l_i = cuda.local.array(2, numba.float32)  # ... and this lane's share of the running sum
+        init_rows(m_i, l_i, acc)
+        scale_log2 = numba.float32(qk_scale_log2)
+
+        # The descriptors of the k-step-0 operands; a later k-step adds its byte offset >> 4 to the address field.
+        q_desc = HW.d_make_smem_desc(HW.smem_address(smem, 64 * PANEL * wg), 16, SBO, SW128)
+        k_desc = HW.d_make_smem_desc(HW.smem_address(smem, K_OFF), 16, SBO, SW128)
+        v_desc = HW.d_make_smem_desc(HW.smem_address(smem, V_OFF), KV_PANEL, SBO, SW128)
+
+        # Step 1: Q_i and K_0, one cp.async group.
+        _, k_end = d_key_range(q_start, BLOCK_M, seqlen_q, seqlen_k, causal)
+        n_tiles = (k_end + BLOCK_N - 1) // BLOCK_N
+        load_q(smem, 0, q, b, h, q_start, seqlen_q, tid)
+        if n_tiles > 0:
+            load_kv(smem, K_OFF, k, b, h, 0, seqlen_k, tid)
+        I.cp_async_commit()
+
+        for j in range(n_tiles):
+            k_start = j * BLOCK_N
+            # Step 2a: wait for K_j (and Q_i), start V_j.
+            I.cp_async_wait(0)  # K_j's group is the only one in flight
+            HW.fence_proxy_async()  # my cp.async writes → visible to the tensor cores (the async proxy)
+            # Everyone's copies of K_j are visible; and every warpgroup has waited for its O += P V_{j-1}, so the
+            # V buffer may be refilled.
+            cuda.syncthreads()
+            load_kv(smem, V_OFF, v, b, h, k_start, seqlen_k, tid)
+            I.cp_async_commit()
+
+            # Step 2b: S = Q_i K_jᵀ, the warpgroup's 64 rows × BLOCK_N keys.
+            s = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
+            HW.wgmma_fence()
+            for kk in range(K_STEPS):
+                step = u64(((kk // 4) * Q_PANEL + 32 * (kk % 4)) >> 4)
+                step_k = u64(((kk // 4) * KV_PANEL + 32 * (kk % 4)) >> 4)
+                s = wgmma_s(q_desc + step, k_desc + step_k, s, kk > 0)
+            HW.wgmma_commit_group()
+            HW.wgmma_wait_group(0)
+            s = HW.wgmma_fence_operand(s)
+            HW.acc_to_array(s, S)
+
+            # Step 2c: mask; wait for V_j, start K_{j+1}.
+            if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
+                mask_scores(S, row0, k_start, seqlen_q, seqlen_k, causal, g, t)
+            I.cp_async_wait(0)  # V_j's group is the only one in flight
+            HW.fence_proxy_async()  # my cp.async writes of V_j → visible to the tensor cores
+            # Everyone's copies of V_j are visible; and every warpgroup has waited for its S = Q K_jᵀ, so the K
+            # buffer may be refilled.
+            cuda.syncthreads()
+            if j + 1 < n_tiles:
+                load_kv(smem, K_OFF, k, b, h, k_start + BLOCK_N, seqlen_k, tid)
+                I.cp_async_commit()
+
+            # Step 2d: online softmax (S becomes P, O is rescaled).
+            online_softmax(S, acc, m_i, l_i, scale_log2)
+
+            # Step 2e: O += P V_j, P from registers (the S accumulators packed to 16 bits).
+            o_t = HW.wgmma_fence_operand(HW.acc_from_array(acc, D_PAD))
+            HW.wgmma_fence()  # the rescaled accumulators are written before the wgmma reads them
+            for kk in range(PV_STEPS):
+                p_frags(P, S, kk)
+                o_t = wgmma_pv(P[0, 0], P[0, 1], P[0, 2], P[0, 3], v_desc + u64((2048 * kk) >> 4), o_t, 1)
+            HW.wgmma_commit_group()
+            HW.wgmma_wait_group(0)
+            o_t = HW.wgmma_fence_operand(o_t)
+            HW.acc_to_array(o_t, acc)
+
+        I.cp_async_wait_all()  # nothing left in flight (only Q's group when no key tile was visible)
+
+        # Step 3: O_i = acc / l_i, lse_i = m_i + log l_i.
+        write_rows(o, lse, acc, m_i, l_i, b, h, row0, seqlen_q, g, t)
+
+    return flash_forward_wgmma
+
+
+# ----------------------------------------------------------------------------
+# Configuration and launch
+# ----------------------------------------------------------------------------
+
+
+@functools.cache
+def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR) -> WGConfig:
+    """The configuration for a head dim (any multiple of 8 up to 256).
+
+    In the simulator, one warpgroup and 16-key tiles keep the Python threads
+    few while small sequences still cross tile edges.
+    """
+    if simulator:
+        return WGConfig(64, 16, head_dim, input_kind)
+    d_pad = -(-head_dim // PANEL) * PANEL
+    if d_pad <= 64:
+        return WGConfig(128, 128, head_dim, input_kind)
+    if d_pad <= 128:
+        return WGConfig(128, 128, head_dim, input_kind)
+    return WGConfig(128, 64, head_dim, input_kind)
+
+
+def supported_device() -> tuple[bool, str]:
+    """Can this device run wgmma?  ``(ok, reason)``: sm_90 (Hopper), or the simulator's emulation."""
+    cc = compute_capability()
+    if cc is None:
+        return True, ""
+    if cc[0] != 9:
+        return False, f"wgmma needs compute capability 9.x (Hopper), the device has {cc[0]}.{cc[1]}"
+    return True, ""
+
+
+def can_implement(cfg: WGConfig, *arrays) -> tuple[bool, str]:
+    """Will this configuration launch on these arrays (q, k, v, o) on this device?  ``(ok, reason)``."""
+    ok, why = supported_device()
+    if not ok:
+        return False, why
+    need = shared_bytes(cfg)
+    limit = max_shared_per_block()
+    if need > limit:
+        return False, f"needs {need} bytes of shared memory per block, the device allows {limit}"
+    for name, a in zip("qkvo", arrays, strict=False):
+        if a.shape[-1] != cfg.head_dim:
+            return False, f"{name} has head dim {a.shape[-1]}, the configuration {cfg.head_dim}"
+        why = chunked_rows_problem(name, a, 2)
+        if why:
+            return False, why
+    return True, ""
+
+
+def launch_forward_wgmma(cfg: WGConfig, q, k, v, o, lse, scale: float, causal: bool, stream=0, check: bool = True):
+    """Launch the wgmma forward on canonical ``(B, H, N, D)`` views (float16, or bfloat16 as uint16).
+
+    ``check=False`` skips :func:`can_implement` for a caller that has just run it (nbflash.api's plan).
+    """
+    if not scale > 0:
+        raise ValueError(f"wgmma forward: scale must be positive (the row max is taken before scaling), got {scale}")
+    ok, why = can_implement(cfg, q, k, v, o) if check else (True, "")
+    if not ok:
+        raise ValueError(f"wgmma forward configuration {cfg} cannot run: {why}")
+    batch, heads, seqlen_q, _ = q.shape
+    grid = (-(-seqlen_q // cfg.block_m), heads, batch)
+    args = (q, k, v, o, lse, float(scale * LOG2E), bool(causal))
+    launch(forward_wgmma_kernel(cfg), grid, (cfg.threads, 1, 1), stream, shared_bytes(cfg), *args)
+
+
+def kernel_signature(cfg: WGConfig):
+    """The Numba argument types of the kernel for ``cfg`` (any strides: layout 'A')."""
+    from numba import types
+
+    elem = types.float16 if cfg.input_kind == "float16" else types.uint16
+    tensor = types.Array(elem, 4, "A")
+    return (tensor, tensor, tensor, tensor, types.Array(types.float32, 3, "A"), types.float64, types.boolean)
+
+
+def compile_targets():
+    """``(name, cfg, kernel, signature, fastmath)`` for the GPU configurations (the PTX check, sm_90a)."""
+    cfgs = [choose_config(d, kind, simulator=False) for d in (40, 64, 96, 128, 256) for kind in ("float16", "bfloat16")]
+    return [("flash_forward_wgmma", cfg, forward_wgmma_kernel(cfg), kernel_signature(cfg), True) for cfg in cfgs]
+

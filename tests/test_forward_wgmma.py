@@ -1,0 +1,144 @@
+"""The Hopper forward kernel (nbflash.forward_wgmma) against the float64 textbook formula.
+
+In the simulator the tiles are one warpgroup (64 queries) × 16 keys, so short
+odd sequences cross every edge (ragged query and key tiles, causal diagonals in
+both directions, rows that see no key), and every wgmma runs through the
+emulation of :mod:`nbflash.hopper`, which reads the swizzled shared tiles
+through their descriptors as the hardware does: a wrong descriptor, panel
+step or fragment index fails here.  The error must stay within twice that of a
+naive attention in the same 16-bit precision (the flash-attn rule).  Without a
+GPU, every GPU configuration is compiled for sm_90a and assembled, with nothing
+in local memory and no spills.  On a GPU the same tests run where it is a
+Hopper (compute capability 9.x), and check that other GPUs refuse the backend.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from test_forward_tc import run_and_check, to_kind
+
+import nbflash
+from nbflash import forward_wgmma as W
+from nbflash._device import SIMULATOR, compute_capability
+
+hopper = pytest.mark.skipif(not SIMULATOR and (compute_capability() or (0, 0))[0] != 9,
+                            reason="wgmma needs a Hopper GPU (or the simulator)")
+launch = W.launch_forward_wgmma
+
+# Simulator tiles: 64 queries (one warpgroup) × 16 keys.
+SEQLENS = [(1, 1), (17, 20), (70, 37), (7, 40)]
+
+
+@hopper
+@pytest.mark.parametrize("n_q,n_k", SEQLENS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+def test_forward_wgmma_matches_reference(xp, rng, n_q, n_k, causal, kind):
+    run_and_check(xp, rng, n_q, n_k, 64, kind, causal, cfg=W.choose_config(64, kind), heads=1, launch=launch)
+
+
+@hopper
+@pytest.mark.parametrize("d", [40, 96, 256])
+def test_forward_wgmma_padded_and_paneled_head_dims(xp, rng, d):
+    """D padded to whole 64-column panels (40 → 64, 96 → 128) and several panels (96, 256): the k-steps of
+    S = Q Kᵀ cross panels, and P V reads V's panels through the descriptor's leading byte offset."""
+    run_and_check(xp, rng, 21, 35, d, "bfloat16", True, cfg=W.choose_config(d, "bfloat16"), heads=1, launch=launch)
+
+
+@hopper
+def test_forward_wgmma_two_warpgroups_bshd(xp, rng):
+    """Two warpgroups per block (128 queries), 32-key tiles, on strided bshd views."""
+    cfg = W.WGConfig(128, 32, 64, "float16")
+    run_and_check(xp, rng, 130, 45, 64, "float16", True, cfg=cfg, layout="bshd", batch=2, heads=1, launch=launch)
+
+
+@hopper
+@pytest.mark.slow
+@pytest.mark.parametrize("d", [64, 128])
+def test_forward_wgmma_gpu_configuration(xp, rng, d):
+    """The tiles the GPU uses, at a size that crosses them."""
+    cfg = W.choose_config(d, "bfloat16", simulator=False)
+    run_and_check(xp, rng, cfg.block_m + 7, cfg.block_n + 5, d, "bfloat16", True, cfg=cfg, heads=1, launch=launch)
+
+
+@hopper
+def test_api_backend_wgmma(xp, rng):
+    """``backend="wgmma"`` through nbflash.attention: the plan says so, the result matches the SIMT kernel's."""
+    q, k, v = (xp.asarray(to_kind(rng.standard_normal((1, 2, n, 64)).astype(np.float32), "float16")[0])
+               for n in (19, 33, 33))
+    plan = nbflash.which_backend(q, k, v, causal=True, backend="wgmma")
+    assert plan.backend == "wgmma" and isinstance(plan.config, W.WGConfig)
+    o, lse = nbflash.attention(q, k, v, causal=True, backend="wgmma", return_lse=True)
+    o_ref, lse_ref = nbflash.attention(q, k, v, causal=True, backend="simt", return_lse=True)
+    host = (lambda a: a) if xp is np else (lambda a: a.get())
+    np.testing.assert_allclose(host(o).astype(np.float32), host(o_ref).astype(np.float32), atol=2e-3)
+    np.testing.assert_allclose(host(lse), host(lse_ref), rtol=1e-4, atol=1e-4)
+
+
+def test_backend_wgmma_refuses_what_it_cannot_run(xp):
+    q = xp.zeros((1, 1, 8, 64), dtype=np.float32) + 1
+    with pytest.raises(ValueError, match="wgmma"):
+        nbflash.attention(q, q, q, backend="wgmma")  # float32: no tensor cores
+    q16 = xp.zeros((1, 1, 8, 36), dtype=np.float16) + 1
+    with pytest.raises(ValueError, match="wgmma"):
+        nbflash.attention(q16, q16, q16, backend="wgmma")  # head dim not a multiple of 8
+    if not SIMULATOR and compute_capability()[0] != 9:
+        q16 = xp.zeros((1, 1, 8, 64), dtype=np.float16) + 1
+        with pytest.raises(ValueError, match="compute capability 9"):
+            nbflash.attention(q16, q16, q16, backend="wgmma")
+
+
+def test_config_validation_and_shared_memory():
+    for bad in (dict(block_m=96), dict(block_n=24), dict(head_dim=36), dict(head_dim=264), dict(input_kind="float32")):
+        args = dict(block_m=64, block_n=16, head_dim=64, input_kind="float16") | bad
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            W.WGConfig(**args)
+    # Q, K and V tiles of whole 64-column panels: 128 × 128 at D = 128 is 3 × 32 KB.
+    assert W.shared_bytes(W.WGConfig(128, 128, 128, "float16")) == 3 * 32 * 1024
+    assert W.shared_bytes(W.WGConfig(128, 128, 40, "float16")) == 3 * 16 * 1024  # 40 pads to one panel
+    k_off, v_off, end = W.shared_offsets(W.WGConfig(192, 64, 96, "bfloat16"))
+    assert k_off * 2 % 1024 == 0 and v_off * 2 % 1024 == 0  # every swizzled tile starts 1024-byte aligned
+
+
+_PTX_SCRIPT = r"""
+import json, re
+from nbflash import forward_wgmma as W
+from nbflash._device import SIMULATOR, compile_ptx_offline, ptxas_info
+assert not SIMULATOR
+for name, cfg, kern, sig, fastmath in W.compile_targets():
+    ptx = compile_ptx_offline(kern.py_func, sig, cc=(9, 0, "a"), fastmath=fastmath)
+    info = ptxas_info(ptx, "sm_90a", check=False)
+    print(json.dumps(dict(config=repr(cfg), ok=info["ok"], log=info["log"][-1500:], registers=info["registers"],
+                          spill=info["spill_bytes"], local=len(re.findall(r"\b(?:ld|st)\.local\b", ptx)),
+                          shapes=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)", ptx))),
+                          a_in_registers=bool(re.search(r"wgmma\.mma_async[^;]*\},\s*\{%r", ptx)),
+                          a_in_shared=bool(re.search(r"wgmma\.mma_async[^;]*\},\s*%rd", ptx)))), flush=True)
+"""
+
+
+@functools.cache
+def offline_rows():
+    pytest.importorskip("cuda.bindings.nvjitlink")
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_gpu_configurations_compile_for_sm90a_without_local_memory():
+    rows = offline_rows()
+    assert len(rows) == len(W.compile_targets())
+    for (_, cfg, *_), row in zip(W.compile_targets(), rows, strict=True):
+        assert row["ok"], row["log"]
+        assert row["local"] == 0 and row["spill"] in (0, None), row
+        assert set(row["shapes"]) == {f"m64n{cfg.block_n}k16", f"m64n{cfg.d_pad}k16"}, row
+        assert row["a_in_shared"] and row["a_in_registers"], row  # S = Q Kᵀ from shared; O += P V with P in registers
