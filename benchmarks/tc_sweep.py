@@ -69,9 +69,10 @@ CANDIDATES = {
 }
 #: The wgmma kernel's candidates (nbflash.forward_wgmma, Hopper only): (block_m, block_n) per head dim.
 WG_CANDIDATES = {
-    64: [(128, 128), (64, 128), (128, 64), (192, 128)],
-    128: [(128, 128), (128, 64), (64, 128)],
-    256: [(128, 64)],
+    64: [(128, 128, "plain"), (128, 64, "plain"), (128, 128, "overlap"), (128, 64, "overlap"), (192, 128, "overlap"),
+         (192, 64, "overlap"), (64, 128, "overlap")],
+    128: [(128, 128, "plain"), (128, 128, "overlap"), (128, 64, "overlap"), (64, 128, "overlap")],
+    256: [(128, 64, "overlap")],
 }
 #: Names accepted by --configs besides tags: choose_config's pick for each head dim and dtype, its split pipeline,
 #: and the wgmma kernel's pick.
@@ -83,9 +84,9 @@ CHECK_ONLY = (40, 96, 256)
 def tag(cfg) -> str:
     """``64x32`` (Q fragments in registers) or ``64x32s`` (Q re-read from shared memory); ``/2``: two m-tiles
     per warp; ``-split``: FlashAttention-2's split K/V pipeline (one K and one V buffer, two cp.async groups);
-    ``wg128x128``: the wgmma kernel's tiles."""
+    ``wg128x128``: the wgmma kernel's tiles (``-plain``: every product waited for at once)."""
     if isinstance(cfg, W.WGConfig):
-        return f"wg{cfg.block_m}x{cfg.block_n}"
+        return f"wg{cfg.block_m}x{cfg.block_n}{'-plain' if cfg.pipeline == 'plain' else ''}"
     return (
         f"{cfg.block_m}x{cfg.block_n}{'' if cfg.q_in_regs else 's'}{'/2' if cfg.m_tiles == 2 else ''}"
         f"{'-split' if cfg.kv_pipeline == 'split' else ''}"
@@ -98,7 +99,7 @@ def select(dims, kinds, wanted=None):
     for d in dims:
         for kind in kinds:
             listed = [T.TCConfig(bm, bn, d, kind, qr, mt, kp) for bm, bn, qr, mt, kp in CANDIDATES.get(d, [])]
-            listed += [W.WGConfig(bm, bn, d, kind) for bm, bn in WG_CANDIDATES.get(d, [])]
+            listed += [W.WGConfig(bm, bn, d, kind, pipe) for bm, bn, pipe in WG_CANDIDATES.get(d, [])]
             if wanted is None:
                 cfgs += listed
                 continue

@@ -182,13 +182,15 @@ def shared_bytes(cfg: TCConfig) -> int:
 def fragment_steps(n_tiles: int, d_tiles: int, head_dim: int, input_kind: str):
     """The per-row steps of a 16-row m-tile held in the ``mma.m16n8`` accumulator layout, as device functions.
 
-    ``(init_rows, mask_scores, online_softmax, p_frags, write_rows)`` for S
+    ``(init_rows, mask_scores, online_softmax, p_frags, write_rows, softmax_rows, rescale_rows)`` for S
     tiles of ``n_tiles`` 8-key column tiles and O tiles of ``d_tiles`` 8-wide
     column tiles: register arrays ``S[n_tiles, 4]``, ``acc[d_tiles, 4]`` where
     value i of tile n is row g + 8(i >> 1), column 8n + 2t + (i & 1) (lane
     4g + t).  The wgmma accumulators of :mod:`nbflash.forward_wgmma` have this
     layout in every warp too, so both tensor-core forwards run the same
-    softmax, masking and epilogue.
+    softmax, masking and epilogue.  ``online_softmax`` is ``softmax_rows``
+    followed by ``rescale_rows``; a kernel whose O accumulators are still being
+    written by an asynchronous product calls the two apart.
     """
     N_TILES, D_TILES, D = n_tiles, d_tiles, head_dim
     NEG_INF = numba.float32(-math.inf)  # a float32 constant: a Python float would make the softmax float64
@@ -235,8 +237,9 @@ def fragment_steps(n_tiles: int, d_tiles: int, head_dim: int, input_kind: str):
                     if 8 * n + c >= first_hidden:
                         S[n, 2 * r + c] = NEG_INF
 
-    def online_softmax(S, acc, m_i, l_i, scale_log2):
-        """Fold tile S into the running (m_i, l_i) of rows g, g + 8; S becomes P; acc is rescaled."""
+    def softmax_rows(S, m_i, l_i, scale_log2, alpha):
+        """Fold tile S into the running (m_i, l_i) of rows g, g + 8; S becomes P; alpha[r] = the factor by which
+        row r's O accumulators must be rescaled (applied by :func:`rescale_rows`)."""
         for r in range(2):
             m_tile = NEG_INF  # the max of the raw scores: scale > 0 keeps their order
             for n in range(N_TILES):
@@ -246,7 +249,7 @@ def fragment_steps(n_tiles: int, d_tiles: int, head_dim: int, input_kind: str):
             m_tile = max(m_tile, shfl_xor(FULL, m_tile, 2))
             m_new = max(m_i[r], m_tile * scale_log2)
             m_ref = m_new if m_new != NEG_INF else ZERO  # a row with no key yet keeps P = 0
-            alpha = I.ex2_approx(m_i[r] - m_ref)
+            alpha[r] = I.ex2_approx(m_i[r] - m_ref)
             m_i[r] = m_new
             p_sum = ZERO
             for n in range(N_TILES):
@@ -254,17 +257,28 @@ def fragment_steps(n_tiles: int, d_tiles: int, head_dim: int, input_kind: str):
                     p = I.ex2_approx(S[n, 2 * r + c] * scale_log2 - m_ref)  # one FFMA and one MUFU.EX2
                     S[n, 2 * r + c] = p
                     p_sum += p
-            l_i[r] = alpha * l_i[r] + p_sum  # reduced over the quad only at the end
-            for dt in range(D_TILES):
-                acc[dt, 2 * r] *= alpha
-                acc[dt, 2 * r + 1] *= alpha
+            l_i[r] = alpha[r] * l_i[r] + p_sum  # reduced over the quad only at the end
 
-    def p_frags(P, S, kk):
-        """P's A fragment for keys 16kk .. 16kk + 15: S tiles 2kk, 2kk + 1 packed to 16 bits (no shuffle)."""
-        P[0, 0] = pack(S[2 * kk, 0], S[2 * kk, 1])  # row g,     keys 2t, 2t + 1
-        P[0, 1] = pack(S[2 * kk, 2], S[2 * kk, 3])  # row g + 8, keys 2t, 2t + 1
-        P[0, 2] = pack(S[2 * kk + 1, 0], S[2 * kk + 1, 1])  # row g,     keys 8 + 2t, 8 + 2t + 1
-        P[0, 3] = pack(S[2 * kk + 1, 2], S[2 * kk + 1, 3])  # row g + 8, keys 8 + 2t, 8 + 2t + 1
+    def rescale_rows(acc, alpha):
+        """acc of rows g, g + 8 *= alpha[0], alpha[1]."""
+        for r in range(2):
+            for dt in range(D_TILES):
+                acc[dt, 2 * r] *= alpha[r]
+                acc[dt, 2 * r + 1] *= alpha[r]
+
+    def online_softmax(S, acc, m_i, l_i, scale_log2):
+        """Fold tile S into the running (m_i, l_i) of rows g, g + 8; S becomes P; acc is rescaled."""
+        alpha = cuda.local.array(2, numba.float32)
+        softmax_rows(S, m_i, l_i, scale_log2, alpha)
+        rescale_rows(acc, alpha)
+
+    def p_frags(P, S, kk, slot):
+        """P[slot] = P's A fragment for keys 16kk .. 16kk + 15: S tiles 2kk, 2kk + 1 packed to 16 bits (no
+        shuffle)."""
+        P[slot, 0] = pack(S[2 * kk, 0], S[2 * kk, 1])  # row g,     keys 2t, 2t + 1
+        P[slot, 1] = pack(S[2 * kk, 2], S[2 * kk, 3])  # row g + 8, keys 2t, 2t + 1
+        P[slot, 2] = pack(S[2 * kk + 1, 0], S[2 * kk + 1, 1])  # row g,     keys 8 + 2t, 8 + 2t + 1
+        P[slot, 3] = pack(S[2 * kk + 1, 2], S[2 * kk + 1, 3])  # row g + 8, keys 8 + 2t, 8 + 2t + 1
 
     def write_rows(o, lse, acc, m_i, l_i, b, h, first_row, seqlen_q, g, t):
         """O = acc / l, lse = m + log l for rows first_row + g, + g + 8 (head-dim padding not written)."""
@@ -281,7 +295,12 @@ def fragment_steps(n_tiles: int, d_tiles: int, head_dim: int, input_kind: str):
                 if t == 0:
                     lse[b, h, row] = m_i[r] * LN2 + math.log(l_row) if l_row > 0 else NEG_INF
 
-    return tuple(device_function(f) for f in (init_rows, mask_scores, online_softmax, p_frags, write_rows))
+    # (online_softmax finds softmax_rows and rescale_rows through its closure: their compiled versions below.)
+    init_rows, mask_scores, online_softmax, p_frags, write_rows, softmax_rows, rescale_rows = (
+        device_function(f)
+        for f in (init_rows, mask_scores, online_softmax, p_frags, write_rows, softmax_rows, rescale_rows)
+    )
+    return init_rows, mask_scores, online_softmax, p_frags, write_rows, softmax_rows, rescale_rows
 
 
 @functools.cache
@@ -371,9 +390,9 @@ def forward_tc_kernel(cfg: TCConfig):
         """acc += P V_j over the k-steps [first, end) (keys 16·first .. 16·end - 1), for every m-tile: each V
         fragment (16 keys × 16 of D, ``ldmatrix.trans``) feeds every m-tile of the warp."""
         for kk in range(first, end):
-            p_frags(P0, S0, kk)
+            p_frags(P0, S0, kk, 0)
             if TWO:
-                p_frags(P1, S1, kk)
+                p_frags(P1, S1, kk, 0)
             for d2 in range(D_TILES // 2):
                 vb = I.ldmatrix_x4_trans(smem, v_base + 16 * kk * PITCH + 16 * d2)
                 for half in range(2):
@@ -382,7 +401,8 @@ def forward_tc_kernel(cfg: TCConfig):
                         mma_into(acc1, 2 * d2 + half, P1, 0, vb[2 * half], vb[2 * half + 1])
 
     load_q_frags, mma_into, pv_product = (device_function(f) for f in (load_q_frags, mma_into, pv_product))
-    init_rows, mask_scores, online_softmax, p_frags, write_rows = fragment_steps(N_TILES, D_TILES, D, cfg.input_kind)
+    init_rows, mask_scores, online_softmax, p_frags, write_rows, _, _ = fragment_steps(N_TILES, D_TILES, D,
+                                                                                        cfg.input_kind)
 
     @kernel(fastmath=True)
     def flash_forward_tc(q, k, v, o, lse, qk_scale_log2, causal):

@@ -103,6 +103,7 @@ class WGConfig:
     block_n: int  # keys per K/V tile: a wgmma N (16 ... 256)
     head_dim: int  # D, a multiple of 8 up to 256 (padded to a multiple of 64 inside)
     input_kind: str  # "float16" or "bfloat16"
+    pipeline: str = "overlap"  # "plain": one K, one V buffer, every product waited for; "overlap": see the module
 
     def __post_init__(self):
         if self.block_m not in (64, 128, 192):
@@ -114,6 +115,13 @@ class WGConfig:
             raise ValueError(f"head_dim must be a multiple of 8 up to 256, got {self.head_dim}")
         if self.input_kind not in ("float16", "bfloat16"):
             raise ValueError(f"input_kind must be 'float16' or 'bfloat16', got {self.input_kind!r}")
+        if self.pipeline not in ("plain", "overlap"):
+            raise ValueError(f"pipeline must be 'plain' or 'overlap', got {self.pipeline!r}")
+
+    @property
+    def kv_buffers(self) -> int:
+        """Buffers of K (and of V): one for the plain pipeline, two for the overlapped one."""
+        return 2 if self.pipeline == "overlap" else 1
 
     @property
     def warpgroups(self) -> int:
@@ -130,10 +138,11 @@ class WGConfig:
 
 
 def shared_offsets(cfg: WGConfig) -> tuple[int, int, int]:
-    """Element offsets of K_j and V_j (Q_i starts at 0), and the end; every tile starts 1024-byte aligned."""
+    """Element offsets of the K buffers and of the V buffers (Q_i starts at 0), and the end; every tile starts
+    1024-byte aligned."""
     k_off = cfg.block_m * cfg.d_pad
-    v_off = k_off + cfg.block_n * cfg.d_pad
-    return k_off, v_off, v_off + cfg.block_n * cfg.d_pad
+    v_off = k_off + cfg.kv_buffers * cfg.block_n * cfg.d_pad
+    return k_off, v_off, v_off + cfg.kv_buffers * cfg.block_n * cfg.d_pad
 
 
 @functools.cache
@@ -161,7 +170,10 @@ def forward_wgmma_kernel(cfg: WGConfig):
     wgmma_pv = HW.wgmma_rs(D_PAD, kind, trans_b=True)  # O += P V: P in registers, V N-major
     u32, u64 = numba.uint32, numba.uint64
     SMEM_ALIGN = None if SIMULATOR else 1024  # a 128-byte-swizzle atom must start 1024-byte aligned
-    init_rows, mask_scores, online_softmax, p_frags, write_rows = fragment_steps(N_TILES, D_TILES, D, cfg.input_kind)
+    OVERLAP = cfg.pipeline == "overlap"
+    KV_STRIDE = BLOCK_N * D_PAD  # elements from one K (or V) buffer to the other
+    steps = fragment_steps(N_TILES, D_TILES, D, cfg.input_kind)
+    init_rows, mask_scores, online_softmax, p_frags, write_rows, softmax_rows, rescale_rows = steps
 
     def make_load_tile(ROWS):
         """``load_tile(smem, offset, src, b, h, start, seqlen, tid)``: cp.async rows ``[start, start + ROWS)``
@@ -214,7 +226,8 @@ def forward_wgmma_kernel(cfg: WGConfig):
 
         S = cuda.local.array((N_TILES, 4), numba.float32)  # S (then P), this thread's part
         acc = cuda.local.array((D_TILES, 4), numba.float32)  # O accumulators
-        P = cuda.local.array((1, 4), numba.uint32)  # P's A fragment of one k-step
+        P = cuda.local.array((PV_STEPS, 4), numba.uint32)  # P's A fragments, one row per k-step
+        alpha = cuda.local.array(2, numba.float32)  # rows g, g + 8: rescaling of O by the newest tile
         m_i = cuda.local.array(2, numba.float32)  # rows g, g + 8: running max (base-2 scaled) ...
         l_i = cuda.local.array(2, numba.float32)  # ... and this lane's share of the running sum
         init_rows(m_i, l_i, acc)
@@ -233,7 +246,69 @@ def forward_wgmma_kernel(cfg: WGConfig):
             load_kv(smem, K_OFF, k, b, h, 0, seqlen_k, tid)
         I.cp_async_commit()
 
-        for j in range(n_tiles):
+        for j in range(n_tiles if OVERLAP else 0):
+            k_start = j * BLOCK_N
+            buf = j % 2
+            # Step 2a: K_j and V_{j-1} have landed (the only group in flight); then start K_{j+1} and V_j.
+            I.cp_async_wait(0)
+            HW.fence_proxy_async()  # my cp.async writes → visible to the tensor cores (the async proxy)
+            # Everyone's copies are visible; and every warpgroup has finished iteration j - 1, whose wgmmas read
+            # K_{j-1} and V_{j-2}: the very buffers refilled now.
+            cuda.syncthreads()
+            if j + 1 < n_tiles:
+                load_kv(smem, K_OFF + (1 - buf) * KV_STRIDE, k, b, h, k_start + BLOCK_N, seqlen_k, tid)
+            load_kv(smem, V_OFF + buf * KV_STRIDE, v, b, h, k_start, seqlen_k, tid)
+            I.cp_async_commit()
+
+            # Step 2b: issue S_j = Q_i K_jᵀ, then O += P_{j-1} V_{j-1}, as two groups; neither is waited for yet.
+            s = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
+            o_t = HW.wgmma_fence_operand(HW.acc_from_array(acc, D_PAD))
+            HW.wgmma_fence()  # the accumulators (rescaled in iteration j - 1) are written before wgmma reads them
+            k_desc_j = k_desc + u64((buf * KV_STRIDE * 2) >> 4)
+            for kk in range(K_STEPS):
+                step = u64(((kk // 4) * Q_PANEL + 32 * (kk % 4)) >> 4)
+                step_k = u64(((kk // 4) * KV_PANEL + 32 * (kk % 4)) >> 4)
+                s = wgmma_s(q_desc + step, k_desc_j + step_k, s, kk > 0)
+            HW.wgmma_commit_group()
+            if j > 0:
+                v_desc_j = v_desc + u64(((1 - buf) * KV_STRIDE * 2) >> 4)
+                for kk in range(PV_STEPS):
+                    o_t = wgmma_pv(P[kk, 0], P[kk, 1], P[kk, 2], P[kk, 3], v_desc_j + u64((2048 * kk) >> 4), o_t, 1)
+            HW.wgmma_commit_group()  # possibly empty: "all but the newest group" is then S_j in every iteration
+
+            # Step 2c: S_j is done (P_{j-1} V_{j-1} may still run); mask and softmax while the tensor cores work.
+            HW.wgmma_wait_group(1)
+            s = HW.wgmma_fence_operand(s)
+            HW.acc_to_array(s, S)
+            if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
+                mask_scores(S, row0, k_start, seqlen_q, seqlen_k, causal, g, t)
+            softmax_rows(S, m_i, l_i, scale_log2, alpha)  # S becomes P_j; O must be scaled by alpha
+
+            # Step 2d: O += P_{j-1} V_{j-1} is done: rescale O, and only now overwrite P_{j-1}'s registers
+            # (an in-flight wgmma still reads its A registers) with P_j.
+            HW.wgmma_wait_group(0)
+            o_t = HW.wgmma_fence_operand(o_t)
+            HW.acc_to_array(o_t, acc)
+            rescale_rows(acc, alpha)
+            for kk in range(PV_STEPS):
+                p_frags(P, S, kk, kk)
+
+        if OVERLAP and n_tiles > 0:
+            # Step 2e: the last O += P V, once V_{n-1} has landed.
+            I.cp_async_wait(0)
+            HW.fence_proxy_async()
+            cuda.syncthreads()  # everyone's copies of V_{n-1} are visible
+            o_t = HW.wgmma_fence_operand(HW.acc_from_array(acc, D_PAD))
+            HW.wgmma_fence()
+            v_desc_j = v_desc + u64((((n_tiles - 1) % 2) * KV_STRIDE * 2) >> 4)
+            for kk in range(PV_STEPS):
+                o_t = wgmma_pv(P[kk, 0], P[kk, 1], P[kk, 2], P[kk, 3], v_desc_j + u64((2048 * kk) >> 4), o_t, 1)
+            HW.wgmma_commit_group()
+            HW.wgmma_wait_group(0)
+            o_t = HW.wgmma_fence_operand(o_t)
+            HW.acc_to_array(o_t, acc)
+
+        for j in range(0 if OVERLAP else n_tiles):
             k_start = j * BLOCK_N
             # Step 2a: wait for K_j (and Q_i), start V_j.
             I.cp_async_wait(0)  # K_j's group is the only one in flight
@@ -275,8 +350,8 @@ def forward_wgmma_kernel(cfg: WGConfig):
             o_t = HW.wgmma_fence_operand(HW.acc_from_array(acc, D_PAD))
             HW.wgmma_fence()  # the rescaled accumulators are written before the wgmma reads them
             for kk in range(PV_STEPS):
-                p_frags(P, S, kk)
-                o_t = wgmma_pv(P[0, 0], P[0, 1], P[0, 2], P[0, 3], v_desc + u64((2048 * kk) >> 4), o_t, 1)
+                p_frags(P, S, kk, kk)
+                o_t = wgmma_pv(P[kk, 0], P[kk, 1], P[kk, 2], P[kk, 3], v_desc + u64((2048 * kk) >> 4), o_t, 1)
             HW.wgmma_commit_group()
             HW.wgmma_wait_group(0)
             o_t = HW.wgmma_fence_operand(o_t)

@@ -357,11 +357,12 @@ def wgmma_rs_kernel(kind, n, trans_b, broken=None):
     mma = H.wgmma_rs(n, kind, trans_b)
     lbo = 16 * 128  # N-major: 64-column panels of n, 16 k-rows of 128 bytes each
     swap = broken == "a_rows"
+    SMEM_ELEMS = max(4096, 64 * n)  # 16 k-rows of every 64-column panel of B (N-major), or n rows (K-major)
 
     @kernel
     def wgmma_rs_tile(a, b, out):
         tid = cuda.threadIdx.x
-        smem = cuda.shared.array(8192 // 2 if n <= 64 else n * 64, numba.uint16, alignment=SMEM_ALIGN)
+        smem = cuda.shared.array(SMEM_ELEMS, numba.uint16, alignment=SMEM_ALIGN)
         for e in range(tid, 16 * n, 128):
             k = e // n
             c = e % n
