@@ -9,7 +9,8 @@ that is not a multiple of 8: plain loads), the SIMT backward kernels
 (deterministic dQ pass and atomic dQ), the tensor-core kernels (forward at
 head dims 40, 64, 128 and 256 — padding, Q in registers or shared memory,
 one and two m-tiles per warp, both K/V pipelines; backward at 64 and 128, both dQ routes), and the
-PyTorch bridge in bfloat16 (forward and backward, tensor cores).
+PyTorch bridge in bfloat16 (forward and backward, tensor cores), and on a Hopper GPU the wgmma forward
+(both pipelines, head dims 40 to 256, ragged K/V, rows that see no key).
 """
 
 import os
@@ -55,6 +56,15 @@ from nbflash import forward_tc  # noqa: E402
 x = cp.random.standard_normal((1, 2, 150, 64)).astype(cp.float16)
 o2, l2 = cp.empty_like(x), cp.empty((1, 2, 150), dtype=cp.float32)
 forward_tc.launch_forward_tc(forward_tc.TCConfig(128, 64, 64, "float16", m_tiles=2), x, x, x, o2, l2, 0.125, True)
+if nbflash._device.compute_capability()[0] == 9:  # the wgmma forward, both pipelines, several panels
+    from nbflash import forward_wgmma  # noqa: E402
+
+    for d, bm, bn, pipe in ((64, 128, 64, "plain"), (128, 128, 128, "plain"), (128, 128, 64, "overlap"),
+                            (256, 128, 64, "overlap"), (40, 64, 128, "overlap")):
+        x = cp.random.standard_normal((1, 2, 150, d)).astype(cp.float16)
+        o3, l3 = cp.empty_like(x), cp.empty((1, 2, 150), dtype=cp.float32)
+        cfg = forward_wgmma.WGConfig(bm, bn, d, "float16", pipe)
+        forward_wgmma.launch_forward_wgmma(cfg, x, x[:, :, :131], x[:, :, :131], o3, l3, 0.125, True)
 qt, kt, vt = (torch.randn(1, 2, 130, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 nbflash.torch.attention(qt, kt, vt, causal=True).sum().backward()
 cp.cuda.Device().synchronize()

@@ -56,6 +56,10 @@ def plan_forward(head_dim: int, input_kind: str, scale: float, q, k, v, backend:
         if not ok:
             raise ValueError(f"backend='wgmma' cannot run this call: {why}")
         return Plan("wgmma", cfg, "requested")
+    if not why and backend == "auto" and (compute_capability() or (0, 0))[0] == 9:
+        wg = _wg.choose_config(head_dim, input_kind)
+        if _wg.can_implement(wg, q, k, v)[0]:
+            return Plan("wgmma", wg, "float16/bfloat16 on sm_90: Hopper's wgmma")
     if not why:
         cfg = _tc.choose_config(head_dim, input_kind, max_shared=max_shared_per_block())
         ok, why = _tc.can_implement(cfg, q, k, v)
@@ -89,10 +93,12 @@ def which_backend(
 ) -> Plan:
     """The forward kernel that :func:`attention` would run on these inputs, and why.
 
-    ``backend="auto"`` picks the tensor-core kernel (:mod:`nbflash.forward_tc`)
-    for float16 and bfloat16 on a GPU of compute capability 8.0 or newer when
-    its constraints hold (head dim a multiple of 8, rows 16-byte aligned,
-    scale > 0), and the SIMT kernel (:mod:`nbflash.forward`) otherwise;
+    ``backend="auto"`` picks the tensor-core kernel for float16 and bfloat16
+    on a GPU of compute capability 8.0 or newer when its constraints hold
+    (head dim a multiple of 8, rows 16-byte aligned, scale > 0) — on Hopper
+    (9.x) the wgmma kernel (:mod:`nbflash.forward_wgmma`, measured faster
+    there), elsewhere the ``mma.sync`` one (:mod:`nbflash.forward_tc`) — and
+    the SIMT kernel (:mod:`nbflash.forward`) otherwise;
     ``"simt"`` and ``"tensor_core"`` force one (the latter raises ValueError,
     with the reason, when it cannot run the call).  ``"wgmma"`` forces the
     Hopper kernel (:mod:`nbflash.forward_wgmma`, compute capability 9.x only;

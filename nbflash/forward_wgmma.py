@@ -372,7 +372,24 @@ def forward_wgmma_kernel(cfg: WGConfig):
 
 @functools.cache
 def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR) -> WGConfig:
-    """The configuration for a head dim (any multiple of 8 up to 256).
+    """The configuration for a head dim (any multiple of 8 up to 256), chosen by the H200 sweep.
+
+    ``benchmarks/results/tc-forward-NVIDIA-H200-2026-11-30-wgmma-overlap.json``
+    (bf16, batch·N = 16k, heads·D = 2048; TFLOP/s at N = 1k / 4k / 16k,
+    non-causal):
+
+    * D ≤ 64: 128 × 64, plain pipeline: 259 / 325 / 348 (SDPA flash 277 /
+      300 / 306); 128 × 128 gives 227 / 298 / 325, the overlapped pipeline
+      259 / 313 / 331 (98 registers plain, 108 overlapped).
+    * D = 128: 128 × 128, plain: 301 / 397 / 423 (SDPA flash 316 / 349 /
+      343); overlapped 298 / 395 / 417; 128 × 64 overlapped 276 / 354 / 384.
+    * D > 128 (not timed): 128 × 64, overlapped (234 registers at D = 256,
+      no spill); correct on the H200 in the tests.
+
+    The overlapped pipeline did not pay in this form: one block of 8 warps
+    per SM already interleaves one warpgroup's softmax with the other's
+    products.  cuDNN reaches 412–471 (D = 64) and 567–650 (D = 128) here:
+    warp specialisation and TMA are the next steps.
 
     In the simulator, one warpgroup and 16-key tiles keep the Python threads
     few while small sequences still cross tile edges.
@@ -381,10 +398,10 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
         return WGConfig(64, 16, head_dim, input_kind)
     d_pad = -(-head_dim // PANEL) * PANEL
     if d_pad <= 64:
-        return WGConfig(128, 128, head_dim, input_kind)
+        return WGConfig(128, 64, head_dim, input_kind, "plain")
     if d_pad <= 128:
-        return WGConfig(128, 128, head_dim, input_kind)
-    return WGConfig(128, 64, head_dim, input_kind)
+        return WGConfig(128, 128, head_dim, input_kind, "plain")
+    return WGConfig(128, 64, head_dim, input_kind, "overlap")
 
 
 def supported_device() -> tuple[bool, str]:

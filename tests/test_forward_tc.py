@@ -284,8 +284,9 @@ def test_which_backend_reasons(xp, rng):
 
     q = arr(64)
     plan = nbflash.which_backend(q, q, q)
-    # auto: tensor cores only on a real sm_80+ GPU, never in the simulator
-    assert plan.backend == ("simt" if nbflash.SIMULATOR else "tensor_core"), plan
+    # auto: tensor cores only on a real sm_80+ GPU (Hopper: the wgmma kernel), never in the simulator
+    hopper = not nbflash.SIMULATOR and nbflash._device.compute_capability()[0] == 9
+    assert plan.backend == ("simt" if nbflash.SIMULATOR else "wgmma" if hopper else "tensor_core"), plan
     forced = nbflash.which_backend(q, q, q, backend="simt")
     assert (forced.backend, forced.reason) == ("simt", "requested")
     assert nbflash.which_backend(q, q, q, backend="tensor_core").backend == "tensor_core"

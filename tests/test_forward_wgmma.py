@@ -14,6 +14,7 @@ Hopper (compute capability 9.x), and check that other GPUs refuse the backend.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -26,6 +27,7 @@ from test_forward_tc import run_and_check, to_kind
 
 import nbflash
 from nbflash import forward_wgmma as W
+from nbflash import intrinsics as I
 from nbflash._device import SIMULATOR, compute_capability
 
 hopper = pytest.mark.skipif(not SIMULATOR and (compute_capability() or (0, 0))[0] != 9,
@@ -34,14 +36,24 @@ launch = W.launch_forward_wgmma
 
 # Simulator tiles: 64 queries (one warpgroup) × 16 keys.
 SEQLENS = [(1, 1), (17, 20), (70, 37), (7, 40)]
+# (kind, pipeline): the overlapped pipeline in both kinds, the plain one in one (its copies are kind-blind).
+KIND_PIPELINES = [("float16", "overlap"), ("bfloat16", "overlap"), ("bfloat16", "plain")]
+
+
+@pytest.fixture(autouse=True)
+def copies_land_at_their_wait(monkeypatch):
+    """In the simulator each cp.async copy lands only at the wait that covers it (NaN until then): a tile read
+    before its wait and barrier, or refilled while still read, fails these tests."""
+    monkeypatch.setattr(I, "SIM_CP_ASYNC_LANDS_AT_WAIT", True)
 
 
 @hopper
 @pytest.mark.parametrize("n_q,n_k", SEQLENS)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
-def test_forward_wgmma_matches_reference(xp, rng, n_q, n_k, causal, kind):
-    run_and_check(xp, rng, n_q, n_k, 64, kind, causal, cfg=W.choose_config(64, kind), heads=1, launch=launch)
+@pytest.mark.parametrize("kind,pipeline", KIND_PIPELINES)
+def test_forward_wgmma_matches_reference(xp, rng, n_q, n_k, causal, kind, pipeline):
+    cfg = dataclasses.replace(W.choose_config(64, kind), pipeline=pipeline)
+    run_and_check(xp, rng, n_q, n_k, 64, kind, causal, cfg=cfg, heads=1, launch=launch)
 
 
 @hopper
@@ -53,9 +65,10 @@ def test_forward_wgmma_padded_and_paneled_head_dims(xp, rng, d):
 
 
 @hopper
-def test_forward_wgmma_two_warpgroups_bshd(xp, rng):
+@pytest.mark.parametrize("pipeline", ["plain", "overlap"])
+def test_forward_wgmma_two_warpgroups_bshd(xp, rng, pipeline):
     """Two warpgroups per block (128 queries), 32-key tiles, on strided bshd views."""
-    cfg = W.WGConfig(128, 32, 64, "float16")
+    cfg = W.WGConfig(128, 32, 64, "float16", pipeline)
     run_and_check(xp, rng, 130, 45, 64, "float16", True, cfg=cfg, layout="bshd", batch=2, heads=1, launch=launch)
 
 
@@ -100,9 +113,13 @@ def test_config_validation_and_shared_memory():
         args = dict(block_m=64, block_n=16, head_dim=64, input_kind="float16") | bad
         with pytest.raises(ValueError, match=next(iter(bad))):
             W.WGConfig(**args)
-    # Q, K and V tiles of whole 64-column panels: 128 × 128 at D = 128 is 3 × 32 KB.
-    assert W.shared_bytes(W.WGConfig(128, 128, 128, "float16")) == 3 * 32 * 1024
-    assert W.shared_bytes(W.WGConfig(128, 128, 40, "float16")) == 3 * 16 * 1024  # 40 pads to one panel
+    # Q, K and V tiles of whole 64-column panels: 128 × 128 at D = 128 is 3 × 32 KB (plain pipeline), and one
+    # more K and V buffer (overlapped).
+    assert W.shared_bytes(W.WGConfig(128, 128, 128, "float16", "plain")) == 3 * 32 * 1024
+    assert W.shared_bytes(W.WGConfig(128, 128, 128, "float16", "overlap")) == 5 * 32 * 1024
+    assert W.shared_bytes(W.WGConfig(128, 128, 40, "float16", "plain")) == 3 * 16 * 1024  # 40 pads to one panel
+    with pytest.raises(ValueError, match="pipeline"):
+        W.WGConfig(64, 16, 64, "float16", "triple")
     k_off, v_off, end = W.shared_offsets(W.WGConfig(192, 64, 96, "bfloat16"))
     assert k_off * 2 % 1024 == 0 and v_off * 2 % 1024 == 0  # every swizzled tile starts 1024-byte aligned
 
@@ -110,6 +127,7 @@ def test_config_validation_and_shared_memory():
 _PTX_SCRIPT = r"""
 import json, re
 from nbflash import forward_wgmma as W
+from nbflash import intrinsics as I
 from nbflash._device import SIMULATOR, compile_ptx_offline, ptxas_info
 assert not SIMULATOR
 for name, cfg, kern, sig, fastmath in W.compile_targets():
