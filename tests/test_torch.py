@@ -427,7 +427,8 @@ def test_error_backward_op_dtypes(no_launch):
 def launch_spy(monkeypatch):
     """Record the descriptors (nbflash._launch.ArrayArg) the bridge's GPU forward launches a kernel on."""
     calls = []
-    for module, name in ((nbt._fwd, "launch_forward"), (nbt._tc, "launch_forward_tc")):
+    launchers = ((nbt._fwd, "launch_forward"), (nbt._tc, "launch_forward_tc"), (nbt._wg, "launch_forward_wgmma"))
+    for module, name in launchers:
         real = getattr(module, name)
 
         def wrapper(cfg, q, k, v, o, lse, *args, real=real, **kwargs):
