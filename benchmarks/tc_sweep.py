@@ -70,8 +70,9 @@ CANDIDATES = {
 #: The wgmma kernel's candidates (nbflash.forward_wgmma, Hopper only): (block_m, block_n) per head dim.
 WG_CANDIDATES = {
     64: [(128, 128, "plain"), (128, 64, "plain"), (128, 128, "overlap"), (128, 64, "overlap"), (192, 128, "overlap"),
-         (192, 64, "overlap"), (64, 128, "overlap")],
-    128: [(128, 128, "plain"), (128, 128, "overlap"), (128, 64, "overlap"), (64, 128, "overlap")],
+         (192, 64, "overlap"), (64, 128, "overlap"), (128, 64, "pingpong"), (128, 128, "pingpong")],
+    128: [(128, 128, "plain"), (128, 128, "overlap"), (128, 64, "overlap"), (64, 128, "overlap"),
+          (128, 128, "pingpong"), (128, 64, "pingpong")],
     256: [(128, 64, "overlap")],
 }
 #: Names accepted by --configs besides tags: choose_config's pick for each head dim and dtype, its split pipeline,
@@ -84,9 +85,10 @@ CHECK_ONLY = (40, 96, 256)
 def tag(cfg) -> str:
     """``64x32`` (Q fragments in registers) or ``64x32s`` (Q re-read from shared memory); ``/2``: two m-tiles
     per warp; ``-split``: FlashAttention-2's split K/V pipeline (one K and one V buffer, two cp.async groups);
-    ``wg128x128``: the wgmma kernel's tiles (``-plain``: every product waited for at once)."""
+    ``wg128x128``: the wgmma kernel's tiles, overlapped pipeline (``-plain``: every product waited for at once;
+    ``-pp``: the two warpgroups take turns)."""
     if isinstance(cfg, W.WGConfig):
-        return f"wg{cfg.block_m}x{cfg.block_n}{'-plain' if cfg.pipeline == 'plain' else ''}"
+        return f"wg{cfg.block_m}x{cfg.block_n}" + {"plain": "-plain", "overlap": "", "pingpong": "-pp"}[cfg.pipeline]
     return (
         f"{cfg.block_m}x{cfg.block_n}{'' if cfg.q_in_regs else 's'}{'/2' if cfg.m_tiles == 2 else ''}"
         f"{'-split' if cfg.kv_pipeline == 'split' else ''}"

@@ -103,7 +103,7 @@ class WGConfig:
     block_n: int  # keys per K/V tile: a wgmma N (16 ... 256)
     head_dim: int  # D, a multiple of 8 up to 256 (padded to a multiple of 64 inside)
     input_kind: str  # "float16" or "bfloat16"
-    pipeline: str = "overlap"  # "plain": one K, one V buffer, every product waited for; "overlap": see the module
+    pipeline: str = "overlap"  # "plain", "overlap" or "pingpong": the schedules of the module docstring
 
     def __post_init__(self):
         if self.block_m not in (64, 128, 192):
@@ -115,13 +115,16 @@ class WGConfig:
             raise ValueError(f"head_dim must be a multiple of 8 up to 256, got {self.head_dim}")
         if self.input_kind not in ("float16", "bfloat16"):
             raise ValueError(f"input_kind must be 'float16' or 'bfloat16', got {self.input_kind!r}")
-        if self.pipeline not in ("plain", "overlap"):
-            raise ValueError(f"pipeline must be 'plain' or 'overlap', got {self.pipeline!r}")
+        if self.pipeline not in ("plain", "overlap", "pingpong"):
+            raise ValueError(f"pipeline must be 'plain', 'overlap' or 'pingpong', got {self.pipeline!r}")
+        if self.pipeline == "pingpong" and self.block_m != 128:
+            raise ValueError(f"the pingpong pipeline takes turns between two warpgroups: block_m must be 128, "
+                             f"got {self.block_m}")
 
     @property
     def kv_buffers(self) -> int:
-        """Buffers of K (and of V): one for the plain pipeline, two for the overlapped one."""
-        return 2 if self.pipeline == "overlap" else 1
+        """Buffers of K (and of V): one for the plain pipeline, two for the others."""
+        return 1 if self.pipeline == "plain" else 2
 
     @property
     def warpgroups(self) -> int:
@@ -171,6 +174,9 @@ def forward_wgmma_kernel(cfg: WGConfig):
     u32, u64 = numba.uint32, numba.uint64
     SMEM_ALIGN = None if SIMULATOR else 1024  # a 128-byte-swizzle atom must start 1024-byte aligned
     OVERLAP = cfg.pipeline == "overlap"
+    PINGPONG = cfg.pipeline == "pingpong"
+    PLAIN = cfg.pipeline == "plain"
+    TURN_0, TURN_1, PAIR = 1, 2, 2 * HW.WARPGROUP  # named barriers: "warpgroup 0 / 1 may issue"; both count
     KV_STRIDE = BLOCK_N * D_PAD  # elements from one K (or V) buffer to the other
     steps = fragment_steps(N_TILES, D_TILES, D, cfg.input_kind)
     init_rows, mask_scores, online_softmax, p_frags, write_rows, softmax_rows, rescale_rows = steps
@@ -189,12 +195,19 @@ def forward_wgmma_kernel(cfg: WGConfig):
         U_CHUNKS, U_THREADS, U_TOTAL = np.uint64(CHUNKS), np.uint64(THREADS), np.uint64(ROWS * CHUNKS)
         U_DATA, U_PANEL = np.uint64(DATA_CHUNKS), np.uint64(ROWS * PANEL)
 
+        SAME_CHUNK = THREADS % CHUNKS == 0  # then a thread copies one chunk column, rows ROW_STEP apart
+        ROW_STEP = np.uint64(THREADS // CHUNKS)
+
         def load_tile(smem, offset, src, b, h, start, seqlen, tid):
             for it in range(ITERS):
                 c = u64(tid) + u64(it) * U_THREADS
                 if EXACT or c < U_TOTAL:
-                    r = c // U_CHUNKS
-                    chunk = c % U_CHUNKS
+                    if SAME_CHUNK:  # one offset plus constants per iteration, not a division each
+                        r = u64(tid) // U_CHUNKS + u64(it) * ROW_STEP
+                        chunk = u64(tid) % U_CHUNKS
+                    else:
+                        r = c // U_CHUNKS
+                        chunk = c % U_CHUNKS
                     row = u64(start) + r
                     nbytes = 16 if row < u64(seqlen) and (DATA_CHUNKS == CHUNKS or chunk < U_DATA) else 0
                     row = min(row, u64(seqlen - 1))  # a valid address even when nothing is read
@@ -244,7 +257,60 @@ def forward_wgmma_kernel(cfg: WGConfig):
         load_q(smem, 0, q, b, h, q_start, seqlen_q, tid)
         if n_tiles > 0:
             load_kv(smem, K_OFF, k, b, h, 0, seqlen_k, tid)
+            if PINGPONG:
+                load_kv(smem, V_OFF, v, b, h, 0, seqlen_k, tid)
         I.cp_async_commit()
+
+        for j in range(n_tiles if PINGPONG else 0):
+            k_start = j * BLOCK_N
+            buf = j % 2
+            # Step 2a (pingpong): K_j and V_j have landed (the only group in flight); start K_{j+1} and V_{j+1}.
+            I.cp_async_wait(0)
+            HW.fence_proxy_async()  # my cp.async writes → visible to the tensor cores (the async proxy)
+            # Everyone's copies are visible; and both warpgroups have finished tile j - 1, whose buffers are
+            # refilled now.
+            cuda.syncthreads()
+            if j + 1 < n_tiles:
+                load_kv(smem, K_OFF + (1 - buf) * KV_STRIDE, k, b, h, k_start + BLOCK_N, seqlen_k, tid)
+                load_kv(smem, V_OFF + (1 - buf) * KV_STRIDE, v, b, h, k_start + BLOCK_N, seqlen_k, tid)
+                I.cp_async_commit()
+
+            # Step 2b: S = Q_i K_jᵀ, warpgroup 0's products queued before warpgroup 1's: so warpgroup 0's S is
+            # done first, and its softmax runs while the tensor cores work on warpgroup 1's.
+            if wg == 1:
+                HW.named_barrier_sync(TURN_1, PAIR)  # warpgroup 0 has issued its S
+            s = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
+            HW.wgmma_fence()
+            k_desc_j = k_desc + u64((buf * KV_STRIDE * 2) >> 4)
+            for kk in range(K_STEPS):
+                step = u64(((kk // 4) * Q_PANEL + 32 * (kk % 4)) >> 4)
+                step_k = u64(((kk // 4) * KV_PANEL + 32 * (kk % 4)) >> 4)
+                s = wgmma_s(q_desc + step, k_desc_j + step_k, s, kk > 0)
+            HW.wgmma_commit_group()
+            HW.named_barrier_arrive(TURN_1 if wg == 0 else TURN_0, PAIR)  # the other warpgroup's turn
+            HW.wgmma_wait_group(0)
+            s = HW.wgmma_fence_operand(s)
+            HW.acc_to_array(s, S)
+
+            # Step 2c: mask and online softmax (the O accumulators are not in flight: rescaled at once).
+            if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
+                mask_scores(S, row0, k_start, seqlen_q, seqlen_k, causal, g, t)
+            online_softmax(S, acc, m_i, l_i, scale_log2)
+
+            # Step 2d: O += P V_j, again warpgroup 0 first (it waits until warpgroup 1 has issued its S).
+            HW.named_barrier_sync(TURN_0 if wg == 0 else TURN_1, PAIR)
+            o_t = HW.wgmma_fence_operand(HW.acc_from_array(acc, D_PAD))
+            HW.wgmma_fence()  # the rescaled accumulators are written before the wgmma reads them
+            v_desc_j = v_desc + u64((buf * KV_STRIDE * 2) >> 4)
+            for kk in range(PV_STEPS):
+                p_frags(P, S, kk, kk)
+                o_t = wgmma_pv(P[kk, 0], P[kk, 1], P[kk, 2], P[kk, 3], v_desc_j + u64((2048 * kk) >> 4), o_t, 1)
+            HW.wgmma_commit_group()
+            if wg == 0:
+                HW.named_barrier_arrive(TURN_1, PAIR)  # warpgroup 1 may issue its O += P V
+            HW.wgmma_wait_group(0)
+            o_t = HW.wgmma_fence_operand(o_t)
+            HW.acc_to_array(o_t, acc)
 
         for j in range(n_tiles if OVERLAP else 0):
             k_start = j * BLOCK_N
@@ -308,7 +374,7 @@ def forward_wgmma_kernel(cfg: WGConfig):
             o_t = HW.wgmma_fence_operand(o_t)
             HW.acc_to_array(o_t, acc)
 
-        for j in range(0 if OVERLAP else n_tiles):
+        for j in range(n_tiles if PLAIN else 0):
             k_start = j * BLOCK_N
             # Step 2a: wait for K_j (and Q_i), start V_j.
             I.cp_async_wait(0)  # K_j's group is the only one in flight

@@ -198,6 +198,8 @@ __all__ = [
     "kmajor_sw128_offset",
     "make_smem_desc",
     "mnmajor_sw128_offset",
+    "named_barrier_arrive",
+    "named_barrier_sync",
     "smem_address",
     "smem_desc_address",
     "wgmma",
@@ -708,6 +710,54 @@ def _sim_acc_to_array(acc, arr):
         flat[i] = x
 
 
+class _SimNamedBarrier:
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.arrived = 0
+        self.generation = 0
+
+
+def _sim_named_barrier(barrier_id, count, wait):
+    bars = _sim_block_state("_nbflash_named_barriers", dict)
+    with _sim_lock:
+        bar = bars.get(barrier_id)
+        if bar is None:
+            bar = bars[barrier_id] = _SimNamedBarrier()
+    with bar.cond:
+        generation = bar.generation
+        bar.arrived += 1
+        if bar.arrived == count:  # the last of ``count`` threads: release this generation
+            bar.arrived = 0
+            bar.generation += 1
+            bar.cond.notify_all()
+        elif wait:
+            while bar.generation == generation:
+                bar.cond.wait()
+
+
+def _sim_named_barrier_sync(barrier_id, count):
+    """Wait at named barrier ``barrier_id`` (1..15; 0 is ``syncthreads``'s) until ``count`` threads reached it.
+
+    PTX: ``bar.sync id, count`` (``barrier.sync.aligned``); any compute
+    capability.  ``count`` is a multiple of 32 (whole warps); the threads that
+    reach the barrier with :func:`named_barrier_arrive` count without
+    waiting.  A subset of the block (two warpgroups, say) can synchronise
+    this way without stopping the rest.  Simulator: a counting barrier per
+    block and id.
+    """
+    _sim_named_barrier(int(barrier_id), int(count), True)
+
+
+def _sim_named_barrier_arrive(barrier_id, count):
+    """Count this thread at named barrier ``barrier_id`` (of ``count`` threads) and go on without waiting.
+
+    PTX: ``bar.arrive id, count``.  The producer's half of a handshake: the
+    threads that must wait call :func:`named_barrier_sync` with the same id and
+    count.  Simulator: as :func:`named_barrier_sync`, without the wait.
+    """
+    _sim_named_barrier(int(barrier_id), int(count), False)
+
+
 def _make_sim_wgmma(n, kind):
     to_f32 = f16_bits_to_f32 if kind == "f16" else bf16_bits_to_f32
 
@@ -916,6 +966,24 @@ def _gpu_acc_to_array(typingctx, acc, arr):
     return types.void(acc, arr), codegen
 
 
+def _make_gpu_named_barrier(op):
+    def barrier(typingctx, barrier_id, count):
+        if not _is_int(barrier_id, count):
+            return None
+
+        def codegen(context, builder, sig, args):
+            regs = [context.cast(builder, a, t, types.uint32) for a, t in zip(args, sig.args, strict=True)]
+            # memory clobber: shared-memory accesses must not move across the barrier
+            _asm(builder, ir.VoidType(), [_I32, _I32], f"bar.{op} $0, $1;", "r,r,~{memory}", regs,
+                 side_effect=True, warp_wide=True)
+            return context.get_dummy_value()
+
+        return types.void(barrier_id, count), codegen
+
+    barrier.__name__ = f"named_barrier_{op}"
+    return intrinsic(barrier)
+
+
 # ----------------------------------------------------------------------------
 # The public names: one implementation or the other
 # ----------------------------------------------------------------------------
@@ -956,6 +1024,8 @@ wgmma_m64n128k16_bf16 = _WGMMA[128, "bf16"]
 _WGMMA_RS = {(n, kind, tb): _public(_make_sim_wgmma_rs(n, kind, tb), functools.partial(_make_gpu_wgmma_rs, n, kind, tb))
               for n in WGMMA_N for kind in ("f16", "bf16") for tb in (False, True)}
 acc_from_array = _public(_sim_acc_from_array, lambda: _gpu_acc_from_array)
+named_barrier_sync = _public(_sim_named_barrier_sync, lambda: _make_gpu_named_barrier("sync"))
+named_barrier_arrive = _public(_sim_named_barrier_arrive, lambda: _make_gpu_named_barrier("arrive"))
 acc_to_array = _public(_sim_acc_to_array, lambda: _gpu_acc_to_array)
 
 

@@ -65,9 +65,10 @@ def test_forward_wgmma_padded_and_paneled_head_dims(xp, rng, d):
 
 
 @hopper
-@pytest.mark.parametrize("pipeline", ["plain", "overlap"])
+@pytest.mark.parametrize("pipeline", ["plain", "overlap", "pingpong"])
 def test_forward_wgmma_two_warpgroups_bshd(xp, rng, pipeline):
-    """Two warpgroups per block (128 queries), 32-key tiles, on strided bshd views."""
+    """Two warpgroups per block (128 queries), 32-key tiles, on strided bshd views; in every pipeline, the
+    pingpong one taking turns through named barriers."""
     cfg = W.WGConfig(128, 32, 64, "float16", pipeline)
     run_and_check(xp, rng, 130, 45, 64, "float16", True, cfg=cfg, layout="bshd", batch=2, heads=1, launch=launch)
 
@@ -120,6 +121,8 @@ def test_config_validation_and_shared_memory():
     assert W.shared_bytes(W.WGConfig(128, 128, 40, "float16", "plain")) == 3 * 16 * 1024  # 40 pads to one panel
     with pytest.raises(ValueError, match="pipeline"):
         W.WGConfig(64, 16, 64, "float16", "triple")
+    with pytest.raises(ValueError, match="two warpgroups"):
+        W.WGConfig(64, 16, 64, "float16", "pingpong")
     k_off, v_off, end = W.shared_offsets(W.WGConfig(192, 64, 96, "bfloat16"))
     assert k_off * 2 % 1024 == 0 and v_off * 2 % 1024 == 0  # every swizzled tile starts 1024-byte aligned
 
