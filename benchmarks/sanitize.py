@@ -10,7 +10,7 @@ that is not a multiple of 8: plain loads), the SIMT backward kernels
 head dims 40, 64, 128 and 256 — padding, Q in registers or shared memory,
 one and two m-tiles per warp, both K/V pipelines; backward at 64 and 128, both dQ routes), and the
 PyTorch bridge in bfloat16 (forward and backward, tensor cores), and on a Hopper GPU the wgmma forward
-(both pipelines, head dims 40 to 256, ragged K/V, rows that see no key).
+(all three pipelines, head dims 40 to 256, ragged K/V, rows that see no key).
 """
 
 import os
@@ -60,7 +60,8 @@ if nbflash._device.compute_capability()[0] == 9:  # the wgmma forward, both pipe
     from nbflash import forward_wgmma  # noqa: E402
 
     for d, bm, bn, pipe in ((64, 128, 64, "plain"), (128, 128, 128, "plain"), (128, 128, 64, "overlap"),
-                            (256, 128, 64, "overlap"), (40, 64, 128, "overlap")):
+                            (256, 128, 64, "overlap"), (40, 64, 128, "overlap"), (128, 128, 128, "pingpong"),
+                            (96, 128, 64, "pingpong")):
         x = cp.random.standard_normal((1, 2, 150, d)).astype(cp.float16)
         o3, l3 = cp.empty_like(x), cp.empty((1, 2, 150), dtype=cp.float32)
         cfg = forward_wgmma.WGConfig(bm, bn, d, "float16", pipe)

@@ -33,8 +33,11 @@ is stored at chunk ``c ^ (row % 8)``.  The same bytes are a K-major operand
     K_j  panel 0 | panel 1 ...     BLOCK_N × 128 bytes each      (B of S, K-major)
     V_j  panel 0 | panel 1 ...     BLOCK_N × 128 bytes each      (B of P V, N-major; LBO = panel size)
 
-The steps (one K and one V buffer, FlashAttention-2's split ``cp.async``
-pipeline, two barriers per key tile):
+Three schedules of the same steps, a compile-time choice (``WGConfig.pipeline``);
+the kernel has one loop per schedule, each under its flag.
+
+``"plain"`` (one K and one V buffer, FlashAttention-2's split ``cp.async``
+pipeline, two barriers per key tile, every product waited for at once):
 
 1. ``cp.async`` Q_i and K_0 into shared memory (one group).
 2. For each visible key tile j (causal tiles above the diagonal skipped):
@@ -54,10 +57,30 @@ pipeline, two barriers per key tile):
 
 3. ``O_i = acc / l_i``, ``lse_i = m_i + log l_i`` written once.
 
-Why the barriers suffice: every wgmma group is waited for (``wgmma.wait_group
-0``) before its warpgroup goes on, so by the barrier of step 2a every
-warpgroup has finished reading V_{j-1}, and by that of step 2c it has finished
-reading K_j; only then are those buffers refilled.
+Every wgmma group is waited for (``wgmma.wait_group 0``) before its warpgroup
+goes on, so by the barrier of step 2a every warpgroup has finished reading
+V_{j-1}, and by that of step 2c it has finished reading K_j; only then are
+those buffers refilled.
+
+``"pingpong"`` (two warpgroups, two K and two V buffers, one barrier per tile):
+the warpgroups *take turns* on the tensor cores, FlashAttention-3's ping-pong
+schedule.  After the tile's barrier (K_j, V_j landed; K_{j+1}, V_{j+1} start
+loading), warpgroup 1 issues its S only once warpgroup 0 has issued its own
+(named barrier ``TURN_1``), so warpgroup 0's S finishes first and its softmax
+runs while the tensor cores compute warpgroup 1's S; warpgroup 0 then issues
+its O += P V once warpgroup 1's S is queued (``TURN_0``), and warpgroup 1's
+softmax runs under it::
+
+    tensor cores:  S(wg0) | S(wg1)        | PV(wg0)       | PV(wg1) | barrier, next tile
+    warpgroup 0:   issue  | softmax       | issue, wait   |  wait   |
+    warpgroup 1:   wait   | issue, wait   | softmax       |  issue  |
+
+``"overlap"`` (any number of warpgroups, two K and two V buffers): each
+warpgroup overlaps its own work: S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} are
+issued together, the softmax of S_j runs while the second product is still on
+the tensor cores, and O is rescaled after it (``softmax_rows`` then
+``rescale_rows``).  P_{j-1}'s registers are read by the in-flight wgmma, so
+P_j is packed only after its wait.
 
 Requires sm_90a.  Constraints (:func:`can_implement`) as for the ``mma.sync``
 kernel: D a multiple of 8 up to 256; rows whole, 16-byte-aligned chunks.
@@ -438,24 +461,27 @@ def forward_wgmma_kernel(cfg: WGConfig):
 
 @functools.cache
 def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR) -> WGConfig:
-    """The configuration for a head dim (any multiple of 8 up to 256), chosen by the H200 sweep.
+    """The configuration for a head dim (any multiple of 8 up to 256), chosen by the H200 sweeps.
 
-    ``benchmarks/results/tc-forward-NVIDIA-H200-2026-11-30-wgmma-overlap.json``
+    ``benchmarks/results/tc-forward-NVIDIA-H200-2026-11-30-wgmma-*.json``
     (bf16, batch·N = 16k, heads·D = 2048; TFLOP/s at N = 1k / 4k / 16k,
-    non-causal):
+    non-causal; runs differ by up to 8 % from one another):
 
-    * D ≤ 64: 128 × 64, plain pipeline: 259 / 325 / 348 (SDPA flash 277 /
-      300 / 306); 128 × 128 gives 227 / 298 / 325, the overlapped pipeline
-      259 / 313 / 331 (98 registers plain, 108 overlapped).
-    * D = 128: 128 × 128, plain: 301 / 397 / 423 (SDPA flash 316 / 349 /
-      343); overlapped 298 / 395 / 417; 128 × 64 overlapped 276 / 354 / 384.
+    * D ≤ 64: 128 × 64, plain pipeline: 259–266 / 325–327 / 348–353 (SDPA
+      flash 272–277 / 300 / 306).  128 × 128 plain gives 227 / 298 / 325;
+      overlapped 259–263 / 312 / 331; pingpong 222 / 262 / 283 (98 registers
+      plain, 106 overlapped, 130 pingpong: at two blocks per SM the blocks
+      already overlap each other).
+    * D = 128: 128 × 128, pingpong: 315 / 408 / 439 against 305 / 369 / 423
+      plain in the same run (causal 214 / 341 / 435 against 215 / 334 / 403;
+      SDPA flash 322 / 354 / 351); overlapped 298 / 395 / 417.
     * D > 128 (not timed): 128 × 64, overlapped (234 registers at D = 256,
-      no spill); correct on the H200 in the tests.
+      no spill); checked on the H200 by the tests.
 
-    The overlapped pipeline did not pay in this form: one block of 8 warps
-    per SM already interleaves one warpgroup's softmax with the other's
-    products.  cuDNN reaches 412–471 (D = 64) and 567–650 (D = 128) here:
-    warp specialisation and TMA are the next steps.
+    cuDNN reaches 414–477 (D = 64) and 575–662 (D = 128) in the same runs.
+    Nsight Compute on the D = 128 pingpong kernel at N = 16k: tensor pipes
+    46 % busy, one instruction issued every 2.6 cycles per scheduler (two
+    warps each), a third of the warps' time at barriers; L2 22 %, DRAM 1 %.
 
     In the simulator, one warpgroup and 16-key tiles keep the Python threads
     few while small sequences still cross tile edges.
@@ -466,7 +492,7 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
     if d_pad <= 64:
         return WGConfig(128, 64, head_dim, input_kind, "plain")
     if d_pad <= 128:
-        return WGConfig(128, 128, head_dim, input_kind, "plain")
+        return WGConfig(128, 128, head_dim, input_kind, "pingpong")
     return WGConfig(128, 64, head_dim, input_kind, "overlap")
 
 
@@ -525,6 +551,7 @@ def kernel_signature(cfg: WGConfig):
 
 def compile_targets():
     """``(name, cfg, kernel, signature, fastmath)`` for the GPU configurations (the PTX check, sm_90a)."""
-    cfgs = [choose_config(d, kind, simulator=False) for d in (40, 64, 96, 128, 256) for kind in ("float16", "bfloat16")]
+    dims = (40, 64, 96, 128, 176, 256)
+    cfgs = [choose_config(d, kind, simulator=False) for d in dims for kind in ("float16", "bfloat16")]
     return [("flash_forward_wgmma", cfg, forward_wgmma_kernel(cfg), kernel_signature(cfg), True) for cfg in cfgs]
 

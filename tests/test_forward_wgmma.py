@@ -57,9 +57,9 @@ def test_forward_wgmma_matches_reference(xp, rng, n_q, n_k, causal, kind, pipeli
 
 
 @hopper
-@pytest.mark.parametrize("d", [40, 96, 256])
+@pytest.mark.parametrize("d", [40, 96, 176, 256])
 def test_forward_wgmma_padded_and_paneled_head_dims(xp, rng, d):
-    """D padded to whole 64-column panels (40 → 64, 96 → 128) and several panels (96, 256): the k-steps of
+    """D padded to whole 64-column panels (40 → 64, 96 → 128, 176 → 192) and several panels: the k-steps of
     S = Q Kᵀ cross panels, and P V reads V's panels through the descriptor's leading byte offset."""
     run_and_check(xp, rng, 21, 35, d, "bfloat16", True, cfg=W.choose_config(d, "bfloat16"), heads=1, launch=launch)
 
