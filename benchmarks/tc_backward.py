@@ -100,6 +100,10 @@ def ref_grads(q, k, v, do, causal, layout, dtype):
     return [tr(g) for g in torch.autograd.grad(o, (q, k, v), tr(do).to(dtype))]
 
 
+#: The backward routes checked and timed: (deterministic, backend); the wgmma one is added on a Hopper GPU.
+ROUTES = [(False, "tensor_core"), (True, "tensor_core")]
+
+
 def check(log, dims, dtypes):
     failures = 0
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -119,8 +123,8 @@ def check(log, dims, dtypes):
                 do = torch.randn_like(q)
                 ref = ref_grads(q, k, v, do, causal, layout, torch.float64)
                 naive = ref_grads(q, k, v, do, causal, layout, dtype)
-                for det in (False, True):
-                    out = nb_backward(q, k, v, do, causal, layout, det)
+                for det, backend in ROUTES:
+                    out = nb_backward(q, k, v, do, causal, layout, det, backend)
                     for name, x, r, nv in zip("q k v".split(), out, ref, naive, strict=True):
                         err = (x.double() - r).abs().max().item()
                         nerr = (nv.double() - r).abs().max().item()
@@ -129,7 +133,7 @@ def check(log, dims, dtypes):
                         if not ok:
                             failures += 1
                             log(
-                                f"FAIL D{d} {dtype} {n_q}x{n_k} causal={causal} {layout} det={det} d{name}: "
+                                f"FAIL D{d} {dtype} {n_q}x{n_k} causal={causal} {layout} {backend} det={det} d{name}: "
                                 f"err {err:.2e} naive {nerr:.2e}"
                             )
             log(f"check backward D{d} {dtype}: worst err/naive {worst:.2f}")
@@ -379,7 +383,10 @@ def main():
     ap.add_argument("--atomic", action="store_true", help="tile sweep: time the atomic dQ route too")
     ap.add_argument("--reps", type=int, default=20, help="tile sweep: timed repetitions per candidate and shape")
     ap.add_argument("--suffix", default="", help="appended to the JSON's file name")
+    ap.add_argument("--no-simt", action="store_true", help="do not time the fp16/bf16 SIMT backward (slow)")
     args = ap.parse_args()
+    if torch.cuda.get_device_capability()[0] == 9:  # Hopper: the wgmma backward too
+        ROUTES.append((True, "wgmma"))
     dtypes = [DTYPES[s] for s in args.dtypes.split(",")]
     dims = [int(x) for x in args.dims.split(",")]
     if args.configs:
@@ -417,11 +424,10 @@ def main():
                     bf16 = dtype == torch.bfloat16
                     cq, ck, cv, cdo = (as_cupy(x) for x in (q, k, v, do))
                     o_, lse = api.forward_arrays(cq, ck, cv, causal=causal, bf16_bits=bf16)
-                    for name, det, backend in (
-                        ("nb-tc", False, "tensor_core"),
-                        ("nb-tc-det", True, "tensor_core"),
-                        ("nb-simt", False, "simt"),
-                    ):
+                    routes = [("nb-tc", False, "tensor_core"), ("nb-tc-det", True, "tensor_core")]
+                    routes += [("nb-wgmma", True, "wgmma")] if (True, "wgmma") in ROUTES else []
+                    routes += [] if args.no_simt else [("nb-simt", False, "simt")]
+                    for name, det, backend in routes:
 
                         def run(i, det=det, backend=backend):
                             return api.backward_arrays(

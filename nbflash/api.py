@@ -10,6 +10,7 @@ import numpy as np
 from . import _launch
 from . import backward as _bwd
 from . import backward_tc as _bwd_tc
+from . import backward_wgmma as _bwd_wg
 from . import forward as _simt
 from . import forward_tc as _tc
 from . import forward_wgmma as _wg
@@ -335,8 +336,11 @@ def attention_backward(
             :mod:`nbflash.backward_tc` for float16/bfloat16 at head dims that
             are multiples of 16 up to 128 on an sm_80+ GPU, the SIMT one
             otherwise), ``"simt"`` or
-            ``"tensor_core"``; independent of the forward's backend (both read
-            and write the same ``o`` and ``lse``).
+            ``"tensor_core"``, or ``"wgmma"`` (Hopper's warpgroup kernels,
+            :mod:`nbflash.backward_wgmma`; compute capability 9.x, head dims
+            that are multiples of 8 up to 128; always deterministic, whatever
+            ``deterministic`` says); independent of the forward's backend
+            (both read and write the same ``o`` and ``lse``).
 
     Returns:
         ``(dq, dk, dv)``, new arrays with the dtype, layout and array type of
@@ -411,11 +415,22 @@ def plan_backward(head_dim: int, input_kind: str, scale: float, do, q, k, v, o, 
     The SIMT kernels copy their tiles by cp.async where the rows allow it (:func:`nbflash.backward.with_copies`)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "wgmma":  # there is no wgmma backward yet: the mma.sync one, which runs on Hopper too
-        backend = "tensor_core"
     simt = _bwd.with_copies(_bwd.choose_config(head_dim, input_kind), q, k, v, o, do)
     if backend == "simt":
         return Plan("simt", simt, "requested")
+    if backend == "wgmma":
+        why = ""
+        if input_kind not in ("float16", "bfloat16"):
+            why = f"the tensor cores take float16 and bfloat16, not {input_kind}"
+        else:
+            try:
+                cfg = _bwd_wg.choose_config(head_dim, input_kind)
+                why = _bwd_wg.can_implement(cfg, do, q, k, v, o)[1]
+            except ValueError as e:
+                why = str(e)
+        if why:
+            raise ValueError(f"backend='wgmma' cannot run this backward: {why}")
+        return Plan("wgmma", cfg, "requested")
     why, cfg = "", None
     if input_kind not in ("float16", "bfloat16"):
         why = f"the tensor cores take float16 and bfloat16, not {input_kind}"
@@ -461,6 +476,10 @@ def run_backward(
     if plan.backend == "tensor_core":  # the plan checked do, q, k, v, o; dq, dk, dv are the caller's fresh arrays
         _bwd_tc.launch_backward_tc(
             plan.config, do, q, k, v, o, lse, dq, dk, dv, scale, bool(causal), check=False, **flags
+        )
+    elif plan.backend == "wgmma":  # always deterministic: dQ by its own kernel
+        _bwd_wg.launch_backward_wgmma(
+            plan.config, do, q, k, v, o, lse, dq, dk, dv, scale, bool(causal), stream=stream, empty=empty, check=False
         )
     else:
         _bwd.launch_backward(plan.config, q, k, v, o, do, lse, dq, dk, dv, scale, bool(causal), **flags)

@@ -178,13 +178,57 @@ def shared_bytes(cfg: WGConfig) -> int:
 
 
 @functools.cache
+def swizzled_tile_loader(ROWS: int, THREADS: int, D: int):
+    """``load_tile(smem, offset, src, b, h, start, seqlen, tid)``: cp.async rows ``[start, start + ROWS)``
+    of ``src[b, h]`` into the swizzled tile at ``smem[offset]``; rows past ``seqlen`` and the head-dim
+    padding are zero-filled (a copy of 0 source bytes).
+
+    Consecutive threads copy consecutive 16-byte chunks of a row (coalesced reads); the eight chunks of
+    one 128-byte line land on eight different chunk slots (``c ^ (row % 8)``), so the writes do not
+    conflict either.
+
+    ``THREADS`` threads share the work; ``D`` is the head dim (the tile's
+    rows are padded to whole 64-column panels).  Used for Q, K, V (and, in the
+    backward, dO) tiles alike.
+    """
+    D_PAD = -(-D // PANEL) * PANEL
+    CHUNKS = D_PAD // 8  # 16-byte chunks per row ...
+    DATA_CHUNKS = D // 8  # ... of which these hold data (the rest is zero padding)
+    u64 = numba.uint64
+    ITERS = -(-ROWS * CHUNKS // THREADS)
+    EXACT = ROWS * CHUNKS % THREADS == 0
+    U_CHUNKS, U_THREADS, U_TOTAL = np.uint64(CHUNKS), np.uint64(THREADS), np.uint64(ROWS * CHUNKS)
+    U_DATA, U_PANEL = np.uint64(DATA_CHUNKS), np.uint64(ROWS * PANEL)
+    SAME_CHUNK = THREADS % CHUNKS == 0  # then a thread copies one chunk column, rows ROW_STEP apart
+    ROW_STEP = np.uint64(THREADS // CHUNKS)
+
+    def load_tile(smem, offset, src, b, h, start, seqlen, tid):
+        for it in range(ITERS):
+            c = u64(tid) + u64(it) * U_THREADS
+            if EXACT or c < U_TOTAL:
+                if SAME_CHUNK:  # one offset plus constants per iteration, not a division each
+                    r = u64(tid) // U_CHUNKS + u64(it) * ROW_STEP
+                    chunk = u64(tid) % U_CHUNKS
+                else:
+                    r = c // U_CHUNKS
+                    chunk = c % U_CHUNKS
+                row = u64(start) + r
+                nbytes = 16 if row < u64(seqlen) and (DATA_CHUNKS == CHUNKS or chunk < U_DATA) else 0
+                row = min(row, u64(seqlen - 1))  # a valid address even when nothing is read
+                col = min(chunk, U_DATA - u64(1)) * u64(8)
+                swizzled = ((chunk & u64(7)) ^ (r & u64(7))) << u64(3)  # chunk c of line r at c ^ (r % 8)
+                dst = u64(offset) + (chunk >> u64(3)) * U_PANEL + r * u64(PANEL) + swizzled
+                I.cp_async_16(smem, dst, src, (b, h, row, col), nbytes)
+
+    return device_function(load_tile)
+
+
+@functools.cache
 def forward_wgmma_kernel(cfg: WGConfig):
     """The compiled wgmma forward kernel for one configuration (cached)."""
     BLOCK_M, BLOCK_N, D, D_PAD = cfg.block_m, cfg.block_n, cfg.head_dim, cfg.d_pad
     THREADS = cfg.threads
     K_OFF, V_OFF, _ = shared_offsets(cfg)
-    CHUNKS = D_PAD // 8  # 16-byte chunks per row ...
-    DATA_CHUNKS = D // 8  # ... of which these hold data (the rest is zero padding)
     N_TILES = BLOCK_N // 8  # 8-key column tiles of S (per warp, the mma.m16n8 accumulator layout)
     D_TILES = D_PAD // 8  # 8-wide column tiles of O
     K_STEPS = D_PAD // 16  # k-steps of Q K^T
@@ -204,45 +248,8 @@ def forward_wgmma_kernel(cfg: WGConfig):
     steps = fragment_steps(N_TILES, D_TILES, D, cfg.input_kind)
     init_rows, mask_scores, online_softmax, p_frags, write_rows, softmax_rows, rescale_rows = steps
 
-    def make_load_tile(ROWS):
-        """``load_tile(smem, offset, src, b, h, start, seqlen, tid)``: cp.async rows ``[start, start + ROWS)``
-        of ``src[b, h]`` into the swizzled tile at ``smem[offset]``; rows past ``seqlen`` and the head-dim
-        padding are zero-filled (a copy of 0 source bytes).
-
-        Consecutive threads copy consecutive 16-byte chunks of a row (coalesced reads); the eight chunks of
-        one 128-byte line land on eight different chunk slots (``c ^ (row % 8)``), so the writes do not
-        conflict either.
-        """
-        ITERS = -(-ROWS * CHUNKS // THREADS)
-        EXACT = ROWS * CHUNKS % THREADS == 0
-        U_CHUNKS, U_THREADS, U_TOTAL = np.uint64(CHUNKS), np.uint64(THREADS), np.uint64(ROWS * CHUNKS)
-        U_DATA, U_PANEL = np.uint64(DATA_CHUNKS), np.uint64(ROWS * PANEL)
-
-        SAME_CHUNK = THREADS % CHUNKS == 0  # then a thread copies one chunk column, rows ROW_STEP apart
-        ROW_STEP = np.uint64(THREADS // CHUNKS)
-
-        def load_tile(smem, offset, src, b, h, start, seqlen, tid):
-            for it in range(ITERS):
-                c = u64(tid) + u64(it) * U_THREADS
-                if EXACT or c < U_TOTAL:
-                    if SAME_CHUNK:  # one offset plus constants per iteration, not a division each
-                        r = u64(tid) // U_CHUNKS + u64(it) * ROW_STEP
-                        chunk = u64(tid) % U_CHUNKS
-                    else:
-                        r = c // U_CHUNKS
-                        chunk = c % U_CHUNKS
-                    row = u64(start) + r
-                    nbytes = 16 if row < u64(seqlen) and (DATA_CHUNKS == CHUNKS or chunk < U_DATA) else 0
-                    row = min(row, u64(seqlen - 1))  # a valid address even when nothing is read
-                    col = min(chunk, U_DATA - u64(1)) * u64(8)
-                    swizzled = ((chunk & u64(7)) ^ (r & u64(7))) << u64(3)  # chunk c of line r at c ^ (r % 8)
-                    dst = u64(offset) + (chunk >> u64(3)) * U_PANEL + r * u64(PANEL) + swizzled
-                    I.cp_async_16(smem, dst, src, (b, h, row, col), nbytes)
-
-        return device_function(load_tile)
-
-    load_q = make_load_tile(BLOCK_M)
-    load_kv = make_load_tile(BLOCK_N)
+    load_q = swizzled_tile_loader(BLOCK_M, THREADS, D)
+    load_kv = swizzled_tile_loader(BLOCK_N, THREADS, D)
 
     @kernel(fastmath=True)
     def flash_forward_wgmma(q, k, v, o, lse, qk_scale_log2, causal):

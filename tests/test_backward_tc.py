@@ -74,8 +74,12 @@ def _host(a):
 NAN_BITS = {"float16": np.float16(np.nan).view(np.uint16), "bfloat16": np.uint16(0x7FC0)}
 
 
-def run_backward(xp, rng, n_q, n_k, d, kind, causal, deterministic, *, layout="bhsd", batch=1, heads=2, cfg=None):
+def run_backward(xp, rng, n_q, n_k, d, kind, causal, deterministic, *, layout="bhsd", batch=1, heads=2, cfg=None,
+                 launch=None):
     """Run the backward on ``xp`` arrays; return the float64 ``(dq, dk, dv)`` (bhsd) and the inputs' float64 values.
+
+    ``launch(cfg, do, q, k, v, o, lse, dq, dk, dv, scale, causal, deterministic)``: the launcher, by default
+    this module's (the wgmma backward's tests pass theirs).
 
     Checks on the way: outputs are poisoned with NaN before the run, inputs are
     unchanged after it.
@@ -98,7 +102,7 @@ def run_backward(xp, rng, n_q, n_k, d, kind, causal, deterministic, *, layout="b
     do, q, k, v, o, lse = inputs
     dq, dk, dv = grads
     views = (canon(x) for x in (do, q, k, v, o))
-    T.launch_backward_tc(cfg, *views, lse, canon(dq), canon(dk), canon(dv), scale, causal, deterministic)
+    (launch or T.launch_backward_tc)(cfg, *views, lse, canon(dq), canon(dk), canon(dv), scale, causal, deterministic)
     for x, x0 in zip(inputs, before, strict=True):
         assert np.array_equal(_host(x).view(np.uint8), x0.view(np.uint8)), "an input was modified"
     got = tuple(from_kind(canon(_host(g)), kind) for g in grads)

@@ -1,0 +1,526 @@
+"""The FlashAttention backward pass on Hopper's warpgroup tensor cores: ``wgmma.mma_async``.
+
+The algorithm of :mod:`nbflash.backward_tc` (read that one first: the
+deterministic route, dK/dV and dQ by two kernels), with its five products
+issued per *warpgroup* as in :mod:`nbflash.forward_wgmma`: every product whose
+A operand is a tile of Q, K, V or dO reads it from a 128-byte-swizzled shared
+tile through a descriptor; every product whose A operand was just computed (Pᵀ,
+dSᵀ, dS) takes it from registers, the accumulators packed to 16 bits; every B
+operand is a swizzled shared tile, read K-major (``S = Q Kᵀ``-like products) or
+N-major (``X += A · Y`` with Y stored row by row, as V in the forward).
+
+Shapes (every tensor indexed ``[batch, head, row, d]``; ``bshd`` arrives as a strided view)::
+
+    q, o, do, dq   (B, H, N_q, D)      k, v, dk, dv   (B, H, N_k, D)      float16, or bfloat16 as uint16 bits
+    lse            (B, H, N_q)  float32, from the forward
+    delta, lse2    (B, H, N_q)  float32 scratch (step 0)
+
+With ``P_ij = exp(S_ij·scale − lse_i)`` recomputed tile by tile::
+
+    dV = Pᵀ dO      dP = dO Vᵀ      dS = P ∘ (dP − D)      dQ = dS K · scale      dK = dSᵀ Q · scale
+
+0. **Preprocess** — the SIMT kernel of :mod:`nbflash.backward`: ``D_i =
+   rowsum(dO_i ∘ O_i)`` and ``lse2_i = lse_i · log2 e`` (``+inf`` for a row that
+   saw no key).
+
+1. **dK, dV** (grid: key tiles of ``BLOCK_M = 64 · warpgroups`` × heads ×
+   batch).  Warpgroup w owns keys ``64w .. 64w + 63`` of the tile, so every
+   product comes out transposed, keys as the accumulator's rows.  K_j and V_j
+   are copied once; Q_i and dO_i stream past, two buffers each, one barrier
+   per query tile (the next tile's copy starts right after it).  For each query
+   tile i that sees some key of the tile (:func:`~nbflash.masking.query_range`):
+
+   a. ``Sᵀ = K_j Q_iᵀ`` and ``dPᵀ = V_j dO_iᵀ``: shared × shared, K-major, one
+      commit, one wait;
+   b. ``Pᵀ = exp2(Sᵀ · scale · log2 e − lse2_col)`` (a thread's values sit in
+      columns 8n + 2t + c: lse2 and D are per *column*), invisible pairs 0;
+      ``dSᵀ = Pᵀ ∘ (dPᵀ − D_col)``;
+   c. ``dV_j += Pᵀ dO_i`` and ``dK_j += dSᵀ Q_i``: registers × shared, dO_i
+      and Q_i read N-major; one commit, one wait.
+
+   Finally ``dK_j · scale`` and ``dV_j`` are written once.
+
+2. **dQ** (grid: query tiles of ``BLOCK_M`` rows).  Q_i and dO_i are copied
+   once; K_j, V_j stream past, two buffers each.  Per key tile: ``S = Q_i
+   K_jᵀ`` and ``dP = dO_i V_jᵀ`` (shared × shared), ``P = exp2(S · scale ·
+   log2 e − lse2_row)`` (masked through the forward's own
+   :func:`~nbflash.forward_tc.fragment_steps`), ``dS = P ∘ (dP − D_row)``,
+   ``dQ_i += dS K_j`` (registers × shared, K_j N-major).  ``dQ_i · scale``
+   written once.  No atomics: the same bits on every run.
+
+Every wgmma group is waited for before its warpgroup goes on, so the barrier at
+the top of a tile finds every warpgroup done with the buffers it refills.
+
+Requires sm_90a.  Constraints (:func:`can_implement`): D a multiple of 8 up
+to 128 (padded to whole 64-column panels in shared memory); rows whole,
+16-byte-aligned chunks.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import backward as bw
+from . import hopper as HW
+from . import intrinsics as I
+from ._device import SIMULATOR, cuda, kernel, launch, max_shared_per_block, numba
+from ._tiles import LOG2E
+from ._validate import array_module, chunked_rows_problem
+from .backward_tc import _make_pair_storer
+from .forward_tc import fragment_steps
+from .forward_wgmma import PANEL, supported_device, swizzled_tile_loader
+from .masking import d_key_range, d_query_range, d_row_key_end, d_tile_needs_mask
+
+__all__ = [
+    "WGBackwardConfig",
+    "can_implement",
+    "choose_config",
+    "compile_targets",
+    "dkdv_wgmma_kernel",
+    "dq_wgmma_kernel",
+    "kernel_signature",
+    "launch_backward_wgmma",
+    "shared_bytes",
+]
+
+
+@dataclass(frozen=True)
+class WGBackwardConfig:
+    """Compile-time constants of the wgmma backward kernels.
+
+    ``block_m``: rows a block owns, 64 per warpgroup (keys in the dK/dV
+    kernel, queries in the dQ kernel); ``block_n``: rows of the tiles that
+    stream past (queries in dK/dV, keys in dQ) — the N of the shared × shared
+    products.
+    """
+
+    block_m: int  # 64 or 128
+    block_n: int  # a wgmma N: 16 ... 128
+    head_dim: int  # a multiple of 8 up to 128
+    input_kind: str  # "float16" or "bfloat16"
+
+    def __post_init__(self):
+        if self.block_m not in (64, 128):
+            raise ValueError(f"block_m must be 64 or 128 (64 rows per warpgroup), got {self.block_m}")
+        if self.block_n not in (16, 32, 64, 128):
+            raise ValueError(f"block_n must be 16, 32, 64 or 128 (a wgmma N), got {self.block_n}")
+        if self.head_dim <= 0 or self.head_dim % 8 or self.head_dim > 128:
+            raise ValueError(f"head_dim must be a multiple of 8 up to 128 for the wgmma backward, got {self.head_dim}")
+        if self.input_kind not in ("float16", "bfloat16"):
+            raise ValueError(f"input_kind must be 'float16' or 'bfloat16', got {self.input_kind!r}")
+
+    @property
+    def threads(self) -> int:
+        return HW.WARPGROUP * (self.block_m // 64)
+
+    @property
+    def d_pad(self) -> int:
+        """D rounded up to whole 64-column panels; the padding is zero in shared memory."""
+        return -(-self.head_dim // PANEL) * PANEL
+
+
+def shared_offsets(cfg: WGBackwardConfig) -> tuple[int, int, int, int, int]:
+    """Element offsets of the two once-copied tiles (the first at 0: K, V or Q, dO), of the two streamed
+    tiles' double buffers, and the end; both kernels share the layout."""
+    own = cfg.block_m * cfg.d_pad
+    stream = cfg.block_n * cfg.d_pad
+    a1, s0 = own, 2 * own
+    s1 = s0 + 2 * stream
+    return 0, a1, s0, s1, s1 + 2 * stream
+
+
+@functools.cache
+def shared_bytes(cfg: WGBackwardConfig) -> int:
+    return shared_offsets(cfg)[-1] * 2
+
+
+class _Consts:
+    """The constants both kernels derive from a configuration."""
+
+    def __init__(self, cfg: WGBackwardConfig):
+        self.BLOCK_M, self.BLOCK_N, self.D, self.D_PAD = cfg.block_m, cfg.block_n, cfg.head_dim, cfg.d_pad
+        self.THREADS = cfg.threads
+        _, self.A1, self.S0, self.S1, _ = shared_offsets(cfg)
+        self.STRIDE = cfg.block_n * cfg.d_pad  # elements from one streamed buffer to the other
+        self.N_TILES = cfg.block_n // 8  # 8-column tiles of the shared × shared products
+        self.D_TILES = cfg.d_pad // 8  # 8-column tiles of the gradients
+        self.K_STEPS = cfg.d_pad // 16  # k-steps of the shared × shared products
+        self.N_STEPS = cfg.block_n // 16  # k-steps of the registers × shared products
+        self.OWN_PANEL, self.STREAM_PANEL = cfg.block_m * PANEL * 2, cfg.block_n * PANEL * 2  # bytes per panel
+        kind = "f16" if cfg.input_kind == "float16" else "bf16"
+        self.ss = HW.wgmma(cfg.block_n, kind)  # shared × shared, both K-major
+        self.rs = HW.wgmma_rs(cfg.d_pad, kind, trans_b=True)  # registers × shared, B N-major
+        self.SMEM_ALIGN = None if SIMULATOR else 1024
+
+
+@functools.cache
+def dkdv_wgmma_kernel(cfg: WGBackwardConfig):
+    """The compiled dK/dV kernel (step 1) for one configuration (cached)."""
+    c = _Consts(cfg)
+    BLOCK_M, BLOCK_N, D, D_PAD, THREADS = c.BLOCK_M, c.BLOCK_N, c.D, c.D_PAD, c.THREADS
+    V_OFF, Q_OFF, DO_OFF, STRIDE = c.A1, c.S0, c.S1, c.STRIDE
+    N_TILES, D_TILES, K_STEPS, N_STEPS = c.N_TILES, c.D_TILES, c.K_STEPS, c.N_STEPS
+    OWN_PANEL, STREAM_PANEL, SMEM_ALIGN = c.OWN_PANEL, c.STREAM_PANEL, c.SMEM_ALIGN
+    wgmma_ss, wgmma_rs = c.ss, c.rs
+    SW128, SBO = HW.SWIZZLE_128B, 1024
+    ZERO = numba.float32(0)
+    INF = numba.float32(math.inf)
+    u32, u64 = numba.uint32, numba.uint64
+    p_frags = fragment_steps(N_TILES, D_TILES, D, cfg.input_kind)[3]
+    store_pair = _make_pair_storer(cfg.input_kind)
+    load_own = swizzled_tile_loader(BLOCK_M, THREADS, D)
+    load_stream = swizzled_tile_loader(BLOCK_N, THREADS, D)
+
+    @kernel(fastmath=True)
+    def flash_backward_dkdv_wgmma(q, k, v, do, lse2, delta, dk, dv, qk_scale_log2, scale, causal):
+        """One block: dK_j and dV_j for BLOCK_M keys of one (batch, head)."""
+        seqlen_q = q.shape[2]
+        seqlen_k = k.shape[2]
+        k_start = cuda.blockIdx.x * BLOCK_M  # the first key tiles have the most causal queries: they start first
+        h = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        tid = numba.int64(u32(cuda.threadIdx.x))
+        wg = tid // HW.WARPGROUP  # this thread's warpgroup: keys 64·wg .. 64·wg + 63 of the tile
+        lane = tid % 32
+        g = lane // 4  # this thread's keys g and g + 8 of its warp's 16 ...
+        t = lane % 4  # ... and columns (queries) 2t, 2t + 1 of every 8-column tile
+        key0 = k_start + 16 * (tid // 32)  # the warp's first key
+        smem = cuda.shared.array(0, numba.uint16, alignment=SMEM_ALIGN)
+
+        S = cuda.local.array((N_TILES, 4), numba.float32)  # Sᵀ, then Pᵀ
+        dP = cuda.local.array((N_TILES, 4), numba.float32)  # dPᵀ, then dSᵀ
+        dK = cuda.local.array((D_TILES, 4), numba.float32)
+        dV = cuda.local.array((D_TILES, 4), numba.float32)
+        PA = cuda.local.array((N_STEPS, 4), numba.uint32)  # Pᵀ as A fragments
+        SA = cuda.local.array((N_STEPS, 4), numba.uint32)  # dSᵀ as A fragments
+        for n in range(D_TILES):
+            for i in range(4):
+                dK[n, i] = ZERO
+                dV[n, i] = ZERO
+        scale_log2 = numba.float32(qk_scale_log2)
+
+        k_desc = HW.d_make_smem_desc(HW.smem_address(smem, 64 * PANEL * wg), 16, SBO, SW128)
+        v_desc = HW.d_make_smem_desc(HW.smem_address(smem, V_OFF + 64 * PANEL * wg), 16, SBO, SW128)
+        q_desc = HW.d_make_smem_desc(HW.smem_address(smem, Q_OFF), 16, SBO, SW128)  # K-major (Sᵀ = K Qᵀ)
+        do_desc = HW.d_make_smem_desc(HW.smem_address(smem, DO_OFF), 16, SBO, SW128)
+        q_desc_n = HW.d_make_smem_desc(HW.smem_address(smem, Q_OFF), STREAM_PANEL, SBO, SW128)  # N-major (dSᵀ Q)
+        do_desc_n = HW.d_make_smem_desc(HW.smem_address(smem, DO_OFF), STREAM_PANEL, SBO, SW128)
+
+        # Step 1: K_j, V_j and the first Q_i, dO_i, one cp.async group.
+        q_begin, q_end = d_query_range(k_start, BLOCK_M, seqlen_q, seqlen_k, causal)
+        i_first = q_begin // BLOCK_N
+        n_tiles = (q_end + BLOCK_N - 1) // BLOCK_N - i_first
+        if n_tiles > 0:
+            load_own(smem, 0, k, b, h, k_start, seqlen_k, tid)
+            load_own(smem, V_OFF, v, b, h, k_start, seqlen_k, tid)
+            load_stream(smem, Q_OFF, q, b, h, i_first * BLOCK_N, seqlen_q, tid)
+            load_stream(smem, DO_OFF, do, b, h, i_first * BLOCK_N, seqlen_q, tid)
+        I.cp_async_commit()
+
+        for it in range(n_tiles):
+            q_start = (i_first + it) * BLOCK_N
+            buf = it % 2
+            # Step 1 (each tile): Q_i, dO_i have landed (the only group in flight); start Q_{i+1}, dO_{i+1}.
+            I.cp_async_wait(0)
+            HW.fence_proxy_async()  # my cp.async writes → visible to the tensor cores (the async proxy)
+            # Everyone's copies are visible; and every warpgroup has finished tile i - 1, whose buffers are
+            # refilled now.
+            cuda.syncthreads()
+            if it + 1 < n_tiles:
+                load_stream(smem, Q_OFF + (1 - buf) * STRIDE, q, b, h, q_start + BLOCK_N, seqlen_q, tid)
+                load_stream(smem, DO_OFF + (1 - buf) * STRIDE, do, b, h, q_start + BLOCK_N, seqlen_q, tid)
+                I.cp_async_commit()
+
+            # Step 1a: Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ, the warpgroup's 64 keys × BLOCK_N queries.
+            buf_off = u64((buf * STRIDE * 2) >> 4)  # descriptor address field: bytes >> 4
+            st = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
+            dpt = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
+            HW.wgmma_fence()
+            for kk in range(K_STEPS):
+                own = u64(((kk // 4) * OWN_PANEL + 32 * (kk % 4)) >> 4)
+                other = u64(((kk // 4) * STREAM_PANEL + 32 * (kk % 4)) >> 4)
+                st = wgmma_ss(k_desc + own, q_desc + buf_off + other, st, kk > 0)
+            for kk in range(K_STEPS):
+                own = u64(((kk // 4) * OWN_PANEL + 32 * (kk % 4)) >> 4)
+                other = u64(((kk // 4) * STREAM_PANEL + 32 * (kk % 4)) >> 4)
+                dpt = wgmma_ss(v_desc + own, do_desc + buf_off + other, dpt, kk > 0)
+            HW.wgmma_commit_group()
+            HW.wgmma_wait_group(0)
+            st = HW.wgmma_fence_operand(st)
+            dpt = HW.wgmma_fence_operand(dpt)
+            HW.acc_to_array(st, S)
+            HW.acc_to_array(dpt, dP)
+
+            # Step 1b: Pᵀ = exp2(Sᵀ · scale · log2 e − lse2_col), invisible pairs 0; dSᵀ = Pᵀ ∘ (dPᵀ − D_col).
+            # Value i of tile n: key g + 8(i >> 1), query 8n + 2t + (i & 1).
+            masked = d_tile_needs_mask(q_start, k_start, BLOCK_N, BLOCK_M, seqlen_q, seqlen_k, causal)
+            for n in range(N_TILES):
+                for cc in range(2):
+                    col = q_start + 8 * n + 2 * t + cc
+                    inside = col < seqlen_q
+                    lse2_c = lse2[b, h, col] if inside else INF
+                    delta_c = delta[b, h, col] if inside else ZERO
+                    key_end = d_row_key_end(col, seqlen_q, seqlen_k, causal) if masked else seqlen_k
+                    for r in range(2):
+                        p = I.ex2_approx(S[n, 2 * r + cc] * scale_log2 - lse2_c)
+                        if masked and key0 + g + 8 * r >= key_end:  # past a ragged end, or above the diagonal
+                            p = ZERO
+                        S[n, 2 * r + cc] = p
+                        dP[n, 2 * r + cc] = p * (dP[n, 2 * r + cc] - delta_c)
+
+            # Step 1c: dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i; Pᵀ and dSᵀ packed from the accumulators.
+            for kk in range(N_STEPS):
+                p_frags(PA, S, kk, kk)
+                p_frags(SA, dP, kk, kk)
+            dv_t = HW.wgmma_fence_operand(HW.acc_from_array(dV, D_PAD))
+            dk_t = HW.wgmma_fence_operand(HW.acc_from_array(dK, D_PAD))
+            HW.wgmma_fence()
+            for kk in range(N_STEPS):
+                step = buf_off + u64((2048 * kk) >> 4)  # 16 query rows of 128 bytes further
+                dv_t = wgmma_rs(PA[kk, 0], PA[kk, 1], PA[kk, 2], PA[kk, 3], do_desc_n + step, dv_t, 1)
+            for kk in range(N_STEPS):
+                step = buf_off + u64((2048 * kk) >> 4)
+                dk_t = wgmma_rs(SA[kk, 0], SA[kk, 1], SA[kk, 2], SA[kk, 3], q_desc_n + step, dk_t, 1)
+            HW.wgmma_commit_group()
+            HW.wgmma_wait_group(0)
+            dv_t = HW.wgmma_fence_operand(dv_t)
+            dk_t = HW.wgmma_fence_operand(dk_t)
+            HW.acc_to_array(dv_t, dV)
+            HW.acc_to_array(dk_t, dK)
+
+        I.cp_async_wait_all()  # nothing left in flight (also when no query tile sees these keys)
+
+        # dK_j · scale and dV_j, written once (head-dim padding not written).
+        sc = numba.float32(scale)
+        for r in range(2):
+            key = key0 + g + 8 * r
+            if key < seqlen_k:
+                for n in range(D_TILES):
+                    if 8 * n < D:
+                        col = 8 * n + 2 * t
+                        store_pair(dk, b, h, key, col, dK[n, 2 * r] * sc, dK[n, 2 * r + 1] * sc)
+                        store_pair(dv, b, h, key, col, dV[n, 2 * r], dV[n, 2 * r + 1])
+
+    return flash_backward_dkdv_wgmma
+
+
+@functools.cache
+def dq_wgmma_kernel(cfg: WGBackwardConfig):
+    """The compiled dQ kernel (step 2) for one configuration (cached)."""
+    c = _Consts(cfg)
+    BLOCK_M, BLOCK_N, D, D_PAD, THREADS = c.BLOCK_M, c.BLOCK_N, c.D, c.D_PAD, c.THREADS
+    DO_OFF, K_OFF, V_OFF, STRIDE = c.A1, c.S0, c.S1, c.STRIDE
+    N_TILES, D_TILES, K_STEPS, N_STEPS = c.N_TILES, c.D_TILES, c.K_STEPS, c.N_STEPS
+    OWN_PANEL, STREAM_PANEL, SMEM_ALIGN = c.OWN_PANEL, c.STREAM_PANEL, c.SMEM_ALIGN
+    wgmma_ss, wgmma_rs = c.ss, c.rs
+    SW128, SBO = HW.SWIZZLE_128B, 1024
+    ZERO = numba.float32(0)
+    u32, u64 = numba.uint32, numba.uint64
+    _, mask_scores, _, p_frags, _, _, _ = fragment_steps(N_TILES, D_TILES, D, cfg.input_kind)
+    store_pair = _make_pair_storer(cfg.input_kind)
+    load_own = swizzled_tile_loader(BLOCK_M, THREADS, D)
+    load_stream = swizzled_tile_loader(BLOCK_N, THREADS, D)
+
+    @kernel(fastmath=True)
+    def flash_backward_dq_wgmma(q, k, v, do, lse2, delta, dq, qk_scale_log2, scale, causal):
+        """One block: dQ_i for BLOCK_M queries of one (batch, head)."""
+        seqlen_q = q.shape[2]
+        seqlen_k = k.shape[2]
+        q_start = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BLOCK_M  # longest causal rows first
+        h = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        tid = numba.int64(u32(cuda.threadIdx.x))
+        wg = tid // HW.WARPGROUP
+        lane = tid % 32
+        g = lane // 4
+        t = lane % 4
+        row0 = q_start + 16 * (tid // 32)  # the warp's first query
+        smem = cuda.shared.array(0, numba.uint16, alignment=SMEM_ALIGN)
+
+        S = cuda.local.array((N_TILES, 4), numba.float32)  # S, then P
+        dP = cuda.local.array((N_TILES, 4), numba.float32)  # dP, then dS
+        dQ = cuda.local.array((D_TILES, 4), numba.float32)
+        SA = cuda.local.array((N_STEPS, 4), numba.uint32)  # dS as A fragments
+        lse2_r = cuda.local.array(2, numba.float32)  # rows g, g + 8: lse2_i ...
+        delta_r = cuda.local.array(2, numba.float32)  # ... and D_i
+        for r in range(2):
+            row = row0 + g + 8 * r
+            lse2_r[r] = lse2[b, h, row] if row < seqlen_q else ZERO  # rows past the end are masked anyway
+            delta_r[r] = delta[b, h, row] if row < seqlen_q else ZERO
+        for n in range(D_TILES):
+            for i in range(4):
+                dQ[n, i] = ZERO
+        scale_log2 = numba.float32(qk_scale_log2)
+
+        q_desc = HW.d_make_smem_desc(HW.smem_address(smem, 64 * PANEL * wg), 16, SBO, SW128)
+        do_desc = HW.d_make_smem_desc(HW.smem_address(smem, DO_OFF + 64 * PANEL * wg), 16, SBO, SW128)
+        k_desc = HW.d_make_smem_desc(HW.smem_address(smem, K_OFF), 16, SBO, SW128)  # K-major (S = Q Kᵀ)
+        v_desc = HW.d_make_smem_desc(HW.smem_address(smem, V_OFF), 16, SBO, SW128)
+        k_desc_n = HW.d_make_smem_desc(HW.smem_address(smem, K_OFF), STREAM_PANEL, SBO, SW128)  # N-major (dS K)
+
+        # Q_i, dO_i and the first K_j, V_j: one cp.async group.
+        _, k_end = d_key_range(q_start, BLOCK_M, seqlen_q, seqlen_k, causal)
+        n_tiles = (k_end + BLOCK_N - 1) // BLOCK_N
+        load_own(smem, 0, q, b, h, q_start, seqlen_q, tid)
+        load_own(smem, DO_OFF, do, b, h, q_start, seqlen_q, tid)
+        if n_tiles > 0:
+            load_stream(smem, K_OFF, k, b, h, 0, seqlen_k, tid)
+            load_stream(smem, V_OFF, v, b, h, 0, seqlen_k, tid)
+        I.cp_async_commit()
+
+        for j in range(n_tiles):
+            k_start = j * BLOCK_N
+            buf = j % 2
+            # K_j, V_j have landed (the only group in flight); start K_{j+1}, V_{j+1}.
+            I.cp_async_wait(0)
+            HW.fence_proxy_async()  # my cp.async writes → visible to the tensor cores
+            # Everyone's copies are visible; every warpgroup has finished tile j - 1, whose buffers are refilled.
+            cuda.syncthreads()
+            if j + 1 < n_tiles:
+                load_stream(smem, K_OFF + (1 - buf) * STRIDE, k, b, h, k_start + BLOCK_N, seqlen_k, tid)
+                load_stream(smem, V_OFF + (1 - buf) * STRIDE, v, b, h, k_start + BLOCK_N, seqlen_k, tid)
+                I.cp_async_commit()
+
+            # S = Q_i K_jᵀ and dP = dO_i V_jᵀ (64 queries × BLOCK_N keys per warpgroup).
+            buf_off = u64((buf * STRIDE * 2) >> 4)
+            s = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
+            dp = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
+            HW.wgmma_fence()
+            for kk in range(K_STEPS):
+                own = u64(((kk // 4) * OWN_PANEL + 32 * (kk % 4)) >> 4)
+                other = u64(((kk // 4) * STREAM_PANEL + 32 * (kk % 4)) >> 4)
+                s = wgmma_ss(q_desc + own, k_desc + buf_off + other, s, kk > 0)
+            for kk in range(K_STEPS):
+                own = u64(((kk // 4) * OWN_PANEL + 32 * (kk % 4)) >> 4)
+                other = u64(((kk // 4) * STREAM_PANEL + 32 * (kk % 4)) >> 4)
+                dp = wgmma_ss(do_desc + own, v_desc + buf_off + other, dp, kk > 0)
+            HW.wgmma_commit_group()
+            HW.wgmma_wait_group(0)
+            s = HW.wgmma_fence_operand(s)
+            dp = HW.wgmma_fence_operand(dp)
+            HW.acc_to_array(s, S)
+            HW.acc_to_array(dp, dP)
+
+            # P = exp2(S · scale · log2 e − lse2_row), invisible keys 0 (S = -inf first); dS = P ∘ (dP − D_row).
+            if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
+                mask_scores(S, row0, k_start, seqlen_q, seqlen_k, causal, g, t)
+            for r in range(2):
+                for n in range(N_TILES):
+                    for cc in range(2):
+                        p = I.ex2_approx(S[n, 2 * r + cc] * scale_log2 - lse2_r[r])
+                        dP[n, 2 * r + cc] = p * (dP[n, 2 * r + cc] - delta_r[r])
+
+            # dQ_i += dS K_j: dS packed from the accumulators, K_j read N-major.
+            for kk in range(N_STEPS):
+                p_frags(SA, dP, kk, kk)
+            dq_t = HW.wgmma_fence_operand(HW.acc_from_array(dQ, D_PAD))
+            HW.wgmma_fence()
+            for kk in range(N_STEPS):
+                step = buf_off + u64((2048 * kk) >> 4)  # 16 key rows of 128 bytes further
+                dq_t = wgmma_rs(SA[kk, 0], SA[kk, 1], SA[kk, 2], SA[kk, 3], k_desc_n + step, dq_t, 1)
+            HW.wgmma_commit_group()
+            HW.wgmma_wait_group(0)
+            dq_t = HW.wgmma_fence_operand(dq_t)
+            HW.acc_to_array(dq_t, dQ)
+
+        I.cp_async_wait_all()  # nothing left in flight (only Q_i's group when no key tile was visible)
+
+        # dQ_i · scale, written once.  A row that sees no key keeps dQ_i = 0.
+        sc = numba.float32(scale)
+        for r in range(2):
+            row = row0 + g + 8 * r
+            if row < seqlen_q:
+                for n in range(D_TILES):
+                    if 8 * n < D:
+                        store_pair(dq, b, h, row, 8 * n + 2 * t, dQ[n, 2 * r] * sc, dQ[n, 2 * r + 1] * sc)
+
+    return flash_backward_dq_wgmma
+
+
+# ----------------------------------------------------------------------------
+# Configuration and launch
+# ----------------------------------------------------------------------------
+
+
+@functools.cache
+def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR) -> WGBackwardConfig:
+    """The configuration for a head dim (a multiple of 8 up to 128).
+
+    GPU: 128 rows per block (two warpgroups) against 64-row streamed tiles
+    (not swept yet).  Simulator: one warpgroup and 16-row streamed tiles.
+    """
+    if head_dim > 128 or head_dim % 8:
+        raise ValueError(f"the wgmma backward takes head dims that are multiples of 8 up to 128, got {head_dim}")
+    if simulator:
+        return WGBackwardConfig(64, 16, head_dim, input_kind)
+    return WGBackwardConfig(128, 64, head_dim, input_kind)
+
+
+def can_implement(cfg: WGBackwardConfig, *arrays) -> tuple[bool, str]:
+    """Will this configuration run on these arrays (do, q, k, v, o, ...) on this device?  ``(ok, reason)``."""
+    ok, why = supported_device()
+    if not ok:
+        return False, why
+    need, limit = shared_bytes(cfg), max_shared_per_block()
+    if need > limit:
+        return False, f"needs {need} bytes of shared memory per block, the device allows {limit}"
+    for name, a in zip(("do", "q", "k", "v", "o", "dq", "dk", "dv"), arrays, strict=False):
+        if a.shape[-1] != cfg.head_dim:
+            return False, f"{name} has head dim {a.shape[-1]}, the configuration {cfg.head_dim}"
+        why = chunked_rows_problem(name, a, 2)
+        if why:
+            return False, why
+    return True, ""
+
+
+def launch_backward_wgmma(cfg: WGBackwardConfig, do, q, k, v, o, lse, dq, dk, dv, scale: float, causal: bool,
+                          stream=0, empty=None, check: bool = True):
+    """Run steps 0–2 on canonical ``(B, H, N, D)`` views (float16, or bfloat16 as uint16), writing dq, dk, dv.
+
+    Deterministic (dQ by its own kernel).  ``empty(shape, dtype)`` allocates the scratch (default: the array
+    module of ``q``); ``check=False`` skips :func:`can_implement` for a caller that has just run it.
+    """
+    ok, why = can_implement(cfg, do, q, k, v, o, dq, dk, dv) if check else (True, "")
+    if not ok:
+        raise ValueError(f"wgmma backward configuration {cfg} cannot run: {why}")
+    if empty is None:
+        empty = array_module(q).empty
+    batch, heads, seqlen_q, head_dim = q.shape
+    seqlen_k = k.shape[2]
+    simt = bw.choose_config(head_dim, cfg.input_kind, simulator=SIMULATOR).dq  # step 0
+    delta = empty((batch, heads, seqlen_q), np.float32)
+    lse2 = empty((batch, heads, seqlen_q), np.float32)
+    dq_accum = empty((1, 1, 1, 1), np.float32)  # the preprocess kernel's atomic-route argument, unused here
+    simt_grid, simt_block = (-(-seqlen_q // simt.block_m), heads, batch), (simt.threads_x, simt.threads_y, 1)
+    launch(bw.preprocess_kernel(simt), simt_grid, simt_block, stream, 0, o, do, lse, delta, lse2, dq_accum, False)
+    qk_scale_log2, sc = float(scale * LOG2E), float(scale)
+    launch(dkdv_wgmma_kernel(cfg), (-(-seqlen_k // cfg.block_m), heads, batch), (cfg.threads, 1, 1), stream,
+           shared_bytes(cfg), *(q, k, v, do, lse2, delta, dk, dv, qk_scale_log2, sc, bool(causal)))
+    launch(dq_wgmma_kernel(cfg), (-(-seqlen_q // cfg.block_m), heads, batch), (cfg.threads, 1, 1), stream,
+           shared_bytes(cfg), *(q, k, v, do, lse2, delta, dq, qk_scale_log2, sc, bool(causal)))
+
+
+def kernel_signature(cfg: WGBackwardConfig, name: str):
+    """The Numba argument types of kernel ``name`` ("dkdv" or "dq") for ``cfg`` (any strides)."""
+    from numba import types
+
+    elem = types.float16 if cfg.input_kind == "float16" else types.uint16
+    t4 = types.Array(elem, 4, "A")
+    f3 = types.Array(types.float32, 3, "A")
+    grads = (t4, t4) if name == "dkdv" else (t4,)
+    return (t4, t4, t4, t4, f3, f3, *grads, types.float64, types.float64, types.boolean)
+
+
+def compile_targets():
+    """``(name, cfg, kernel, signature, fastmath)`` for the GPU configurations (the PTX check, sm_90a)."""
+    rows = []
+    for d in (40, 64, 96, 128):
+        for kind in ("float16", "bfloat16"):
+            cfg = choose_config(d, kind, simulator=False)
+            rows.append(("flash_backward_dkdv_wgmma", cfg, dkdv_wgmma_kernel(cfg), kernel_signature(cfg, "dkdv"), True))
+            rows.append(("flash_backward_dq_wgmma", cfg, dq_wgmma_kernel(cfg), kernel_signature(cfg, "dq"), True))
+    return rows
