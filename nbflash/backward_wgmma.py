@@ -54,6 +54,15 @@ the top of a tile finds every warpgroup done with the buffers it refills.
 Requires sm_90a.  Constraints (:func:`can_implement`): D a multiple of 8 up
 to 128 (padded to whole 64-column panels in shared memory); rows whole,
 16-byte-aligned chunks.
+
+Status (H200, ``tc-backward-NVIDIA-H200-2026-11-30-wgmma.json``, 93bcfa8,
+bf16, 128 × 64 tiles, not swept): correct against float64 autograd at every
+checked size; D = 128 198 / 204 TFLOP/s at N = 16k (non-causal / causal),
+level with the ``mma.sync`` backward (194 / 196) and 0.66–0.68× SDPA flash;
+D = 64 only 99–132, below the ``mma.sync`` backward (122–198).  So
+``backend="auto"`` keeps the ``mma.sync`` backward; this one runs when asked
+for (``backend="wgmma"``).  Next: pipelining as in the forward, the tile
+sweep, and one kernel with dQ by atomics (FlashAttention-3's layout).
 """
 
 from __future__ import annotations
