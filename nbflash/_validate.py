@@ -86,6 +86,21 @@ def chunked_rows_problem(name: str, a, itemsize: int) -> str:
     return ""
 
 
+def tile_rows_problem(head_dim: int, names, arrays, copied: int) -> str:
+    """Why a 16-bit tensor-core kernel cannot take ``arrays`` (``(B, H, N, D)`` views or descriptors named
+    ``names``), or "": each of head dim ``head_dim`` with 16-bit elements, and the first ``copied`` of them
+    (those the kernel copies by ``cp.async``) in whole, aligned 16-byte chunks (:func:`chunked_rows_problem`)."""
+    for i, (name, a) in enumerate(zip(names, arrays, strict=False)):
+        if a.shape[-1] != head_dim:
+            return f"{name} has head dim {a.shape[-1]}, the configuration {head_dim}"
+        if np.dtype(a.dtype).itemsize != 2:
+            return f"{name} must hold 16-bit elements (float16, or bfloat16 as uint16), got {a.dtype}"
+        why = chunked_rows_problem(name, a, 2) if i < copied else ""
+        if why:
+            return why
+    return ""
+
+
 def _expected_array() -> str:
     return "a NumPy array (the CUDA simulator is active)" if SIMULATOR else "a CuPy array on a CUDA GPU"
 

@@ -107,7 +107,7 @@ from . import backward as bw
 from . import intrinsics as I
 from ._device import SIMULATOR, compute_capability, cuda, device_function, kernel, launch, max_shared_per_block, numba
 from ._tiles import LOG2E, make_storer
-from ._validate import array_module, chunked_rows_problem
+from ._validate import array_module, tile_rows_problem
 from .masking import d_key_range, d_query_range, d_row_key_end, d_tile_needs_mask
 
 __all__ = [
@@ -804,15 +804,9 @@ def can_implement(cfg: TCBackwardConfig, *arrays) -> tuple[bool, str]:
         need = shared_bytes(cfg, name)
         if need > limit:
             return False, f"the {name} kernel needs {need} bytes of shared memory per block, the device allows {limit}"
-    for i, (name, a) in enumerate(zip(("do", "q", "k", "v", "o", "dq", "dk", "dv"), arrays, strict=False)):
-        if a.shape[-1] != cfg.head_dim:
-            return False, f"{name} has head dim {a.shape[-1]}, the configuration {cfg.head_dim}"
-        if np.dtype(a.dtype).itemsize != 2:
-            return False, f"{name} must hold 16-bit elements (float16, or bfloat16 as uint16), got {a.dtype}"
-        why = "" if i >= 4 else chunked_rows_problem(name, a, 2)  # do, q, k, v are copied by cp.async
-        if why:
-            return False, why
-    return True, ""
+    # do, q, k, v are copied by cp.async
+    why = tile_rows_problem(cfg.head_dim, ("do", "q", "k", "v", "o", "dq", "dk", "dv"), arrays, copied=4)
+    return not why, why
 
 
 def launch_backward_tc(

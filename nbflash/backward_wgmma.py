@@ -78,10 +78,10 @@ from . import hopper as HW
 from . import intrinsics as I
 from ._device import SIMULATOR, cuda, kernel, launch, max_shared_per_block, numba
 from ._tiles import LOG2E
-from ._validate import array_module, chunked_rows_problem
+from ._validate import array_module, tile_rows_problem
 from .backward_tc import _make_pair_storer
 from .forward_tc import fragment_steps
-from .forward_wgmma import PANEL, supported_device, swizzled_tile_loader
+from .forward_wgmma import PANEL, rs_product, ss_product, supported_device, swizzled_tile_loader
 from .masking import d_key_range, d_query_range, d_row_key_end, d_tile_needs_mask
 
 __all__ = [
@@ -161,8 +161,9 @@ class _Consts:
         self.N_STEPS = cfg.block_n // 16  # k-steps of the registers × shared products
         self.OWN_PANEL, self.STREAM_PANEL = cfg.block_m * PANEL * 2, cfg.block_n * PANEL * 2  # bytes per panel
         kind = "f16" if cfg.input_kind == "float16" else "bf16"
-        self.ss = HW.wgmma(cfg.block_n, kind)  # shared × shared, both K-major
-        self.rs = HW.wgmma_rs(cfg.d_pad, kind, trans_b=True)  # registers × shared, B N-major
+        # shared (own tile) × shared (streamed tile), both K-major; registers × shared (streamed, N-major)
+        self.ss = ss_product(cfg.block_n, kind, self.K_STEPS, self.OWN_PANEL, self.STREAM_PANEL)
+        self.rs = rs_product(cfg.d_pad, kind, self.N_STEPS)
         self.SMEM_ALIGN = None if SIMULATOR else 1024
 
 
@@ -172,9 +173,9 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig):
     c = _Consts(cfg)
     BLOCK_M, BLOCK_N, D, D_PAD, THREADS = c.BLOCK_M, c.BLOCK_N, c.D, c.D_PAD, c.THREADS
     V_OFF, Q_OFF, DO_OFF, STRIDE = c.A1, c.S0, c.S1, c.STRIDE
-    N_TILES, D_TILES, K_STEPS, N_STEPS = c.N_TILES, c.D_TILES, c.K_STEPS, c.N_STEPS
-    OWN_PANEL, STREAM_PANEL, SMEM_ALIGN = c.OWN_PANEL, c.STREAM_PANEL, c.SMEM_ALIGN
-    wgmma_ss, wgmma_rs = c.ss, c.rs
+    N_TILES, D_TILES, N_STEPS = c.N_TILES, c.D_TILES, c.N_STEPS
+    STREAM_PANEL, SMEM_ALIGN = c.STREAM_PANEL, c.SMEM_ALIGN
+    ss_prod, rs_prod = c.ss, c.rs
     SW128, SBO = HW.SWIZZLE_128B, 1024
     ZERO = numba.float32(0)
     INF = numba.float32(math.inf)
@@ -249,14 +250,8 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig):
             st = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
             dpt = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
             HW.wgmma_fence()
-            for kk in range(K_STEPS):
-                own = u64(((kk // 4) * OWN_PANEL + 32 * (kk % 4)) >> 4)
-                other = u64(((kk // 4) * STREAM_PANEL + 32 * (kk % 4)) >> 4)
-                st = wgmma_ss(k_desc + own, q_desc + buf_off + other, st, kk > 0)
-            for kk in range(K_STEPS):
-                own = u64(((kk // 4) * OWN_PANEL + 32 * (kk % 4)) >> 4)
-                other = u64(((kk // 4) * STREAM_PANEL + 32 * (kk % 4)) >> 4)
-                dpt = wgmma_ss(v_desc + own, do_desc + buf_off + other, dpt, kk > 0)
+            st = ss_prod(st, k_desc, q_desc + buf_off)
+            dpt = ss_prod(dpt, v_desc, do_desc + buf_off)
             HW.wgmma_commit_group()
             HW.wgmma_wait_group(0)
             st = HW.wgmma_fence_operand(st)
@@ -288,12 +283,8 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig):
             dv_t = HW.wgmma_fence_operand(HW.acc_from_array(dV, D_PAD))
             dk_t = HW.wgmma_fence_operand(HW.acc_from_array(dK, D_PAD))
             HW.wgmma_fence()
-            for kk in range(N_STEPS):
-                step = buf_off + u64((2048 * kk) >> 4)  # 16 query rows of 128 bytes further
-                dv_t = wgmma_rs(PA[kk, 0], PA[kk, 1], PA[kk, 2], PA[kk, 3], do_desc_n + step, dv_t, 1)
-            for kk in range(N_STEPS):
-                step = buf_off + u64((2048 * kk) >> 4)
-                dk_t = wgmma_rs(SA[kk, 0], SA[kk, 1], SA[kk, 2], SA[kk, 3], q_desc_n + step, dk_t, 1)
+            dv_t = rs_prod(dv_t, PA, do_desc_n + buf_off)
+            dk_t = rs_prod(dk_t, SA, q_desc_n + buf_off)
             HW.wgmma_commit_group()
             HW.wgmma_wait_group(0)
             dv_t = HW.wgmma_fence_operand(dv_t)
@@ -323,9 +314,9 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
     c = _Consts(cfg)
     BLOCK_M, BLOCK_N, D, D_PAD, THREADS = c.BLOCK_M, c.BLOCK_N, c.D, c.D_PAD, c.THREADS
     DO_OFF, K_OFF, V_OFF, STRIDE = c.A1, c.S0, c.S1, c.STRIDE
-    N_TILES, D_TILES, K_STEPS, N_STEPS = c.N_TILES, c.D_TILES, c.K_STEPS, c.N_STEPS
-    OWN_PANEL, STREAM_PANEL, SMEM_ALIGN = c.OWN_PANEL, c.STREAM_PANEL, c.SMEM_ALIGN
-    wgmma_ss, wgmma_rs = c.ss, c.rs
+    N_TILES, D_TILES, N_STEPS = c.N_TILES, c.D_TILES, c.N_STEPS
+    STREAM_PANEL, SMEM_ALIGN = c.STREAM_PANEL, c.SMEM_ALIGN
+    ss_prod, rs_prod = c.ss, c.rs
     SW128, SBO = HW.SWIZZLE_128B, 1024
     ZERO = numba.float32(0)
     u32, u64 = numba.uint32, numba.uint64
@@ -399,14 +390,8 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
             s = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
             dp = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
             HW.wgmma_fence()
-            for kk in range(K_STEPS):
-                own = u64(((kk // 4) * OWN_PANEL + 32 * (kk % 4)) >> 4)
-                other = u64(((kk // 4) * STREAM_PANEL + 32 * (kk % 4)) >> 4)
-                s = wgmma_ss(q_desc + own, k_desc + buf_off + other, s, kk > 0)
-            for kk in range(K_STEPS):
-                own = u64(((kk // 4) * OWN_PANEL + 32 * (kk % 4)) >> 4)
-                other = u64(((kk // 4) * STREAM_PANEL + 32 * (kk % 4)) >> 4)
-                dp = wgmma_ss(do_desc + own, v_desc + buf_off + other, dp, kk > 0)
+            s = ss_prod(s, q_desc, k_desc + buf_off)
+            dp = ss_prod(dp, do_desc, v_desc + buf_off)
             HW.wgmma_commit_group()
             HW.wgmma_wait_group(0)
             s = HW.wgmma_fence_operand(s)
@@ -428,9 +413,7 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
                 p_frags(SA, dP, kk, kk)
             dq_t = HW.wgmma_fence_operand(HW.acc_from_array(dQ, D_PAD))
             HW.wgmma_fence()
-            for kk in range(N_STEPS):
-                step = buf_off + u64((2048 * kk) >> 4)  # 16 key rows of 128 bytes further
-                dq_t = wgmma_rs(SA[kk, 0], SA[kk, 1], SA[kk, 2], SA[kk, 3], k_desc_n + step, dq_t, 1)
+            dq_t = rs_prod(dq_t, SA, k_desc_n + buf_off)
             HW.wgmma_commit_group()
             HW.wgmma_wait_group(0)
             dq_t = HW.wgmma_fence_operand(dq_t)
@@ -477,13 +460,9 @@ def can_implement(cfg: WGBackwardConfig, *arrays) -> tuple[bool, str]:
     need, limit = shared_bytes(cfg), max_shared_per_block()
     if need > limit:
         return False, f"needs {need} bytes of shared memory per block, the device allows {limit}"
-    for name, a in zip(("do", "q", "k", "v", "o", "dq", "dk", "dv"), arrays, strict=False):
-        if a.shape[-1] != cfg.head_dim:
-            return False, f"{name} has head dim {a.shape[-1]}, the configuration {cfg.head_dim}"
-        why = chunked_rows_problem(name, a, 2)
-        if why:
-            return False, why
-    return True, ""
+    # do, q, k, v are copied by cp.async; o (read by the SIMT preprocess) and the gradients by plain accesses
+    why = tile_rows_problem(cfg.head_dim, ("do", "q", "k", "v", "o", "dq", "dk", "dv"), arrays, copied=4)
+    return not why, why
 
 
 def launch_backward_wgmma(cfg: WGBackwardConfig, do, q, k, v, o, lse, dq, dk, dv, scale: float, causal: bool,

@@ -85,7 +85,7 @@ import numpy as np
 from . import intrinsics as I
 from ._device import SIMULATOR, cuda, device_function, kernel, launch, max_shared_per_block, numba, shfl_xor
 from ._tiles import LN2, LOG2E, make_storer
-from ._validate import chunked_rows_problem
+from ._validate import tile_rows_problem
 from .masking import d_key_range, d_row_key_end, d_tile_needs_mask
 
 __all__ = [
@@ -620,13 +620,8 @@ def can_implement(cfg: TCConfig, *arrays) -> tuple[bool, str]:
     limit = max_shared_per_block()
     if need > limit:
         return False, f"needs {need} bytes of shared memory per block, the device allows {limit}"
-    for name, a in zip("qkvo", arrays, strict=False):
-        if a.shape[-1] != cfg.head_dim:
-            return False, f"{name} has head dim {a.shape[-1]}, the configuration {cfg.head_dim}"
-        why = chunked_rows_problem(name, a, 2)
-        if why:
-            return False, why
-    return True, ""
+    why = tile_rows_problem(cfg.head_dim, "qkvo", arrays, copied=4)
+    return not why, why
 
 
 def launch_forward_tc(cfg: TCConfig, q, k, v, o, lse, scale: float, causal: bool, stream=0, check: bool = True):

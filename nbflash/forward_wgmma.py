@@ -97,7 +97,7 @@ from . import hopper as HW
 from . import intrinsics as I
 from ._device import SIMULATOR, compute_capability, cuda, device_function, kernel, launch, max_shared_per_block, numba
 from ._tiles import LOG2E
-from ._validate import chunked_rows_problem
+from ._validate import tile_rows_problem
 from .forward_tc import fragment_steps
 from .masking import d_key_range, d_tile_needs_mask
 
@@ -224,6 +224,45 @@ def swizzled_tile_loader(ROWS: int, THREADS: int, D: int):
 
 
 @functools.cache
+def ss_product(n: int, kind: str, k_steps: int, a_panel: int, b_panel: int):
+    """``acc = product(acc, a_desc, b_desc)``: issue A·Bᵀ (64 × n) over ``k_steps`` k-steps of 16, both operands
+    K-major swizzled tiles of 64-column panels (``a_panel``, ``b_panel``: bytes per panel of each tile).
+
+    k-step kk reads 32 bytes further along the 128-byte lines (kk % 4), in
+    panel kk // 4: a descriptor's address field grows by those bytes >> 4.
+    The first k-step ignores ``acc`` (``scale_d = 0``).  Issue only: the
+    caller fences before and commits / waits after.
+    """
+    wgmma_ss = HW.wgmma(n, kind)
+    u64 = numba.uint64
+
+    def product(acc, a_desc, b_desc):
+        for kk in range(k_steps):
+            a_step = u64(((kk // 4) * a_panel + 32 * (kk % 4)) >> 4)
+            b_step = u64(((kk // 4) * b_panel + 32 * (kk % 4)) >> 4)
+            acc = wgmma_ss(a_desc + a_step, b_desc + b_step, acc, kk > 0)
+        return acc
+
+    return device_function(product)
+
+
+@functools.cache
+def rs_product(n: int, kind: str, k_steps: int):
+    """``acc = product(acc, A, b_desc)``: issue acc += A·B (64 × n), A from registers (``A[kk, 0..3]``, the
+    fragments of k-step kk) and B an N-major swizzled tile whose rows are the k index (16 rows of 128 bytes,
+    2048 bytes, per k-step).  Issue only, as :func:`ss_product`."""
+    wgmma_rs = HW.wgmma_rs(n, kind, trans_b=True)
+    u64 = numba.uint64
+
+    def product(acc, A, b_desc):
+        for kk in range(k_steps):
+            acc = wgmma_rs(A[kk, 0], A[kk, 1], A[kk, 2], A[kk, 3], b_desc + u64((2048 * kk) >> 4), acc, 1)
+        return acc
+
+    return device_function(product)
+
+
+@functools.cache
 def forward_wgmma_kernel(cfg: WGConfig):
     """The compiled wgmma forward kernel for one configuration (cached)."""
     BLOCK_M, BLOCK_N, D, D_PAD = cfg.block_m, cfg.block_n, cfg.head_dim, cfg.d_pad
@@ -236,8 +275,8 @@ def forward_wgmma_kernel(cfg: WGConfig):
     Q_PANEL, KV_PANEL = BLOCK_M * PANEL * 2, BLOCK_N * PANEL * 2  # bytes of one 64-column panel of a tile
     SW128, SBO = HW.SWIZZLE_128B, 1024  # 8 swizzled 128-byte lines per atom, atoms stacked densely
     kind = "f16" if cfg.input_kind == "float16" else "bf16"
-    wgmma_s = HW.wgmma(BLOCK_N, kind)  # S = Q K^T: both operands in shared memory, K-major
-    wgmma_pv = HW.wgmma_rs(D_PAD, kind, trans_b=True)  # O += P V: P in registers, V N-major
+    qk_product = ss_product(BLOCK_N, kind, K_STEPS, Q_PANEL, KV_PANEL)  # S = Q K^T: shared × shared, K-major
+    pv_product = rs_product(D_PAD, kind, PV_STEPS)  # O += P V: P in registers, V N-major
     u32, u64 = numba.uint32, numba.uint64
     SMEM_ALIGN = None if SIMULATOR else 1024  # a 128-byte-swizzle atom must start 1024-byte aligned
     OVERLAP = cfg.pipeline == "overlap"
@@ -312,10 +351,7 @@ def forward_wgmma_kernel(cfg: WGConfig):
             s = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
             HW.wgmma_fence()
             k_desc_j = k_desc + u64((buf * KV_STRIDE * 2) >> 4)
-            for kk in range(K_STEPS):
-                step = u64(((kk // 4) * Q_PANEL + 32 * (kk % 4)) >> 4)
-                step_k = u64(((kk // 4) * KV_PANEL + 32 * (kk % 4)) >> 4)
-                s = wgmma_s(q_desc + step, k_desc_j + step_k, s, kk > 0)
+            s = qk_product(s, q_desc, k_desc_j)
             HW.wgmma_commit_group()
             HW.named_barrier_arrive(TURN_1 if wg == 0 else TURN_0, PAIR)  # the other warpgroup's turn
             HW.wgmma_wait_group(0)
@@ -334,7 +370,7 @@ def forward_wgmma_kernel(cfg: WGConfig):
             v_desc_j = v_desc + u64((buf * KV_STRIDE * 2) >> 4)
             for kk in range(PV_STEPS):
                 p_frags(P, S, kk, kk)
-                o_t = wgmma_pv(P[kk, 0], P[kk, 1], P[kk, 2], P[kk, 3], v_desc_j + u64((2048 * kk) >> 4), o_t, 1)
+            o_t = pv_product(o_t, P, v_desc_j)
             HW.wgmma_commit_group()
             if wg == 0:
                 HW.named_barrier_arrive(TURN_1, PAIR)  # warpgroup 1 may issue its O += P V
@@ -361,15 +397,11 @@ def forward_wgmma_kernel(cfg: WGConfig):
             o_t = HW.wgmma_fence_operand(HW.acc_from_array(acc, D_PAD))
             HW.wgmma_fence()  # the accumulators (rescaled in iteration j - 1) are written before wgmma reads them
             k_desc_j = k_desc + u64((buf * KV_STRIDE * 2) >> 4)
-            for kk in range(K_STEPS):
-                step = u64(((kk // 4) * Q_PANEL + 32 * (kk % 4)) >> 4)
-                step_k = u64(((kk // 4) * KV_PANEL + 32 * (kk % 4)) >> 4)
-                s = wgmma_s(q_desc + step, k_desc_j + step_k, s, kk > 0)
+            s = qk_product(s, q_desc, k_desc_j)
             HW.wgmma_commit_group()
             if j > 0:
                 v_desc_j = v_desc + u64(((1 - buf) * KV_STRIDE * 2) >> 4)
-                for kk in range(PV_STEPS):
-                    o_t = wgmma_pv(P[kk, 0], P[kk, 1], P[kk, 2], P[kk, 3], v_desc_j + u64((2048 * kk) >> 4), o_t, 1)
+                o_t = pv_product(o_t, P, v_desc_j)
             HW.wgmma_commit_group()  # possibly empty: "all but the newest group" is then S_j in every iteration
 
             # Step 2c: S_j is done (P_{j-1} V_{j-1} may still run); mask and softmax while the tensor cores work.
@@ -397,8 +429,7 @@ def forward_wgmma_kernel(cfg: WGConfig):
             o_t = HW.wgmma_fence_operand(HW.acc_from_array(acc, D_PAD))
             HW.wgmma_fence()
             v_desc_j = v_desc + u64((((n_tiles - 1) % 2) * KV_STRIDE * 2) >> 4)
-            for kk in range(PV_STEPS):
-                o_t = wgmma_pv(P[kk, 0], P[kk, 1], P[kk, 2], P[kk, 3], v_desc_j + u64((2048 * kk) >> 4), o_t, 1)
+            o_t = pv_product(o_t, P, v_desc_j)
             HW.wgmma_commit_group()
             HW.wgmma_wait_group(0)
             o_t = HW.wgmma_fence_operand(o_t)
@@ -418,10 +449,7 @@ def forward_wgmma_kernel(cfg: WGConfig):
             # Step 2b: S = Q_i K_jᵀ, the warpgroup's 64 rows × BLOCK_N keys.
             s = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
             HW.wgmma_fence()
-            for kk in range(K_STEPS):
-                step = u64(((kk // 4) * Q_PANEL + 32 * (kk % 4)) >> 4)
-                step_k = u64(((kk // 4) * KV_PANEL + 32 * (kk % 4)) >> 4)
-                s = wgmma_s(q_desc + step, k_desc + step_k, s, kk > 0)
+            s = qk_product(s, q_desc, k_desc)
             HW.wgmma_commit_group()
             HW.wgmma_wait_group(0)
             s = HW.wgmma_fence_operand(s)
@@ -447,7 +475,7 @@ def forward_wgmma_kernel(cfg: WGConfig):
             HW.wgmma_fence()  # the rescaled accumulators are written before the wgmma reads them
             for kk in range(PV_STEPS):
                 p_frags(P, S, kk, kk)
-                o_t = wgmma_pv(P[kk, 0], P[kk, 1], P[kk, 2], P[kk, 3], v_desc + u64((2048 * kk) >> 4), o_t, 1)
+            o_t = pv_product(o_t, P, v_desc)
             HW.wgmma_commit_group()
             HW.wgmma_wait_group(0)
             o_t = HW.wgmma_fence_operand(o_t)
@@ -522,13 +550,8 @@ def can_implement(cfg: WGConfig, *arrays) -> tuple[bool, str]:
     limit = max_shared_per_block()
     if need > limit:
         return False, f"needs {need} bytes of shared memory per block, the device allows {limit}"
-    for name, a in zip("qkvo", arrays, strict=False):
-        if a.shape[-1] != cfg.head_dim:
-            return False, f"{name} has head dim {a.shape[-1]}, the configuration {cfg.head_dim}"
-        why = chunked_rows_problem(name, a, 2)
-        if why:
-            return False, why
-    return True, ""
+    why = tile_rows_problem(cfg.head_dim, "qkvo", arrays, copied=3)  # o is written by plain stores
+    return not why, why
 
 
 def launch_forward_wgmma(cfg: WGConfig, q, k, v, o, lse, scale: float, causal: bool, stream=0, check: bool = True):

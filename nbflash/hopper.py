@@ -22,6 +22,18 @@ The instructions
     (``imm-trans-a = imm-trans-b = 0``: a row of A, and a row of B, is 16
     consecutive k), ``imm-scale-a = imm-scale-b = 1``.  ``scale_d`` is a runtime
     predicate: 0 computes D = A·Bᵀ, ignoring the old D (the first k-step).
+Register-A form (:func:`wgmma_rs`)
+    The same product with A (64×16) in registers: four 32-bit registers per
+    thread, laid out per warp as the A fragment of ``mma.m16n8k16`` — which is
+    what an accumulator tile becomes once packed to 16 bits, so P (or dS) feeds
+    the next product without touching shared memory.  B may be K-major or
+    N-major (``imm-trans-b = 1``: 8 consecutive n of one k in 16 bytes), so a V
+    tile stored row by row (keys × D) is a B operand as it is.  The registers
+    of A, like the accumulators, may not change until the wait.
+``bar.sync`` / ``bar.arrive`` on named barriers (:func:`named_barrier_sync`, :func:`named_barrier_arrive`)
+    Barriers 1–15 over a subset of the block's warps: two warpgroups take
+    turns with them (FlashAttention-3's ping-pong) while ``syncthreads``
+    (barrier 0) stays the whole block's.
 ``wgmma.fence.sync.aligned`` (:func:`wgmma_fence`)
     Orders this warp's earlier *register* accesses before the following
     wgmma's: required before the first ``wgmma.mma_async`` of a batch and
@@ -550,7 +562,9 @@ def _sim_wgmma_acc_zeros(n):
     return (np.float32(0),) * (n // 2)
 
 
-def _sim_wgmma(n, to_f32, desc_a, desc_b, acc, scale_d):
+def _sim_issue(n, acc, slot, tile):
+    """One simulated wgmma of the calling thread: check the fences, publish ``slot`` (this thread's operands),
+    let thread 0 of the warpgroup compute ``tile(slots)`` (128 × N/2 float32), return this thread's row."""
     if len(acc) != n // 2:
         raise TypeError(f"wgmma m64n{n}k16 takes {n // 2} accumulators, got {len(acc)}")
     state = _thread_state()
@@ -560,11 +574,11 @@ def _sim_wgmma(n, to_f32, desc_a, desc_b, acc, scale_d):
         raise RuntimeError("wgmma issued before any fence_proxy_async(): shared-memory tiles written with "
                            "ordinary stores are not visible to the tensor cores without it")
     index, wg = _sim_warpgroup()
-    wg.slots[index] = (int(desc_a), int(desc_b), bool(scale_d), tuple(np.float32(x) for x in acc))
+    wg.slots[index] = slot
     wg.barrier.wait()  # every thread has published its operands
     if index == 0:
         try:
-            wg.result = _sim_wgmma_tile(n, to_f32, list(wg.slots))
+            wg.result = tile(list(wg.slots))
         except Exception as exc:  # re-raised in every thread below
             wg.result = exc
     wg.barrier.wait()  # the result is ready
@@ -575,23 +589,38 @@ def _sim_wgmma(n, to_f32, desc_a, desc_b, acc, scale_d):
     return tuple(result[index])
 
 
+def _sim_accumulate(n, d, scale_d, accs):
+    """D (64 × N, float64) plus, if ``scale_d``, the threads' old accumulators; as each thread's N/2 values."""
+    idx = _acc_table(n)
+    if scale_d:
+        c = np.zeros((64, n))
+        c[idx[..., 0], idx[..., 1]] = np.array(accs, dtype=np.float32)
+        d = d + c
+    return d[idx[..., 0], idx[..., 1]].astype(np.float32)
+
+
+def _same_for_all(ops, key):
+    """The operand ``key(op)`` that every thread of the warpgroup must have given alike."""
+    first = key(ops[0])
+    if any(key(op) != first for op in ops):
+        raise ValueError("the threads of a warpgroup gave different wgmma descriptors or scale-d")
+    return first
+
+
+def _sim_wgmma(n, to_f32, desc_a, desc_b, acc, scale_d):
+    slot = (int(desc_a), int(desc_b), bool(scale_d), tuple(np.float32(x) for x in acc))
+    return _sim_issue(n, acc, slot, functools.partial(_sim_wgmma_tile, n, to_f32))
+
+
 def _sim_wgmma_tile(n, to_f32, ops):
     """The whole warpgroup's D (128 × N/2 float32) from the 128 threads' operands."""
-    desc_a, desc_b, scale_d, _ = ops[0]
-    for op in ops:
-        if op[:3] != (desc_a, desc_b, scale_d):
-            raise ValueError("the threads of a warpgroup gave different wgmma descriptors or scale-d")
+    desc_a, desc_b, scale_d = _same_for_all(ops, lambda op: op[:3])
     space = _sim_block_state("_nbflash_smem", _SimSharedSpace)
     k = np.arange(16)[None, :]
     a = to_f32(space.read_u16(smem_desc_address(desc_a, np.arange(64)[:, None], k))).astype(np.float64)
     b = to_f32(space.read_u16(smem_desc_address(desc_b, np.arange(n)[:, None], k))).astype(np.float64)
     d = a @ b.T  # products of f16/bf16 are exact; the sum is rounded once (the hardware's adder differs slightly)
-    idx = _acc_table(n)
-    if scale_d:
-        c = np.zeros((64, n))
-        c[idx[..., 0], idx[..., 1]] = np.array([op[3] for op in ops], dtype=np.float32)
-        d = d + c
-    return d[idx[..., 0], idx[..., 1]].astype(np.float32)
+    return _sim_accumulate(n, d, scale_d, [op[3] for op in ops])
 
 
 def _a_reg_table():
@@ -616,37 +645,13 @@ _A_REGS = _a_reg_table()
 
 
 def _sim_wgmma_rs(n, to_f32, trans_b, a_regs, desc_b, acc, scale_d):
-    if len(acc) != n // 2:
-        raise TypeError(f"wgmma m64n{n}k16 takes {n // 2} accumulators, got {len(acc)}")
-    state = _thread_state()
-    if not state["fenced"]:
-        raise RuntimeError("wgmma issued without a wgmma_fence() since the last wgmma_wait_group")
-    if not state["proxy_fenced"]:
-        raise RuntimeError("wgmma issued before any fence_proxy_async(): shared-memory tiles written with "
-                           "ordinary stores are not visible to the tensor cores without it")
-    index, wg = _sim_warpgroup()
-    wg.slots[index] = (int(desc_b), bool(scale_d), tuple(np.float32(x) for x in acc),
-                       tuple(int(np.uint32(x)) for x in a_regs))
-    wg.barrier.wait()  # every thread has published its operands
-    if index == 0:
-        try:
-            wg.result = _sim_wgmma_rs_tile(n, to_f32, trans_b, list(wg.slots))
-        except Exception as exc:  # re-raised in every thread below
-            wg.result = exc
-    wg.barrier.wait()  # the result is ready
-    result = wg.result
-    wg.barrier.wait()  # every thread has read it before the next wgmma overwrites it
-    if isinstance(result, Exception):
-        raise result
-    return tuple(result[index])
+    slot = (int(desc_b), bool(scale_d), tuple(np.float32(x) for x in acc), tuple(int(np.uint32(x)) for x in a_regs))
+    return _sim_issue(n, acc, slot, functools.partial(_sim_wgmma_rs_tile, n, to_f32, trans_b))
 
 
 def _sim_wgmma_rs_tile(n, to_f32, trans_b, ops):
     """The whole warpgroup's D from the 128 threads' A registers and the shared B tile (RS form)."""
-    desc_b, scale_d = ops[0][:2]
-    for op in ops:
-        if op[:2] != (desc_b, scale_d):
-            raise ValueError("the threads of a warpgroup gave different wgmma descriptors or scale-d")
+    desc_b, scale_d = _same_for_all(ops, lambda op: op[:2])
     words = np.array([op[3] for op in ops], dtype=np.uint32)  # (128, 4)
     halves = np.stack([words & 0xFFFF, words >> 16], axis=-1).astype(np.uint16)  # (128, 4, 2)
     a = np.zeros((64, 16))
@@ -654,13 +659,7 @@ def _sim_wgmma_rs_tile(n, to_f32, trans_b, ops):
     space = _sim_block_state("_nbflash_smem", _SimSharedSpace)
     k = np.arange(16)[None, :]
     b = to_f32(space.read_u16(smem_desc_address(desc_b, np.arange(n)[:, None], k, mn_major=trans_b)))
-    d = a @ b.astype(np.float64).T
-    idx = _acc_table(n)
-    if scale_d:
-        c = np.zeros((64, n))
-        c[idx[..., 0], idx[..., 1]] = np.array([op[2] for op in ops], dtype=np.float32)
-        d = d + c
-    return d[idx[..., 0], idx[..., 1]].astype(np.float32)
+    return _sim_accumulate(n, a @ b.astype(np.float64).T, scale_d, [op[2] for op in ops])
 
 
 def _make_sim_wgmma_rs(n, kind, trans_b):

@@ -14,15 +14,10 @@ with nothing in local memory and no spills.
 
 from __future__ import annotations
 
-import functools
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 from test_backward_tc import check_against_reference, run_backward
+from test_forward_wgmma import offline_rows
 
 import nbflash
 from nbflash import backward_wgmma as B
@@ -93,34 +88,10 @@ def test_config_validation():
     assert B.shared_bytes(B.WGBackwardConfig(128, 64, 128, "float16")) == 128 * 1024
 
 
-_PTX_SCRIPT = r"""
-import json, re
-from nbflash import backward_wgmma as B
-from nbflash._device import SIMULATOR, compile_ptx_offline, ptxas_info
-assert not SIMULATOR
-for name, cfg, kern, sig, fastmath in B.compile_targets():
-    ptx = compile_ptx_offline(kern.py_func, sig, cc=(9, 0, "a"), fastmath=fastmath)
-    info = ptxas_info(ptx, "sm_90a", check=False)
-    print(json.dumps(dict(name=name, config=repr(cfg), ok=info["ok"], log=info["log"][-1500:],
-                          registers=info["registers"], spill=info["spill_bytes"],
-                          local=len(re.findall(r"\b(?:ld|st)\.local\b", ptx)))), flush=True)
-"""
-
-
-@functools.cache
-def offline_rows():
-    pytest.importorskip("cuda.bindings.nvjitlink")
-    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], env=env, capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-
-
 def test_gpu_configurations_compile_for_sm90a_without_local_memory():
-    rows = offline_rows()
+    rows = offline_rows("nbflash.backward_wgmma")
     assert len(rows) == len(B.compile_targets())
     for row in rows:
         assert row["ok"], row["log"]
         assert row["local"] == 0 and row["spill"] in (0, None), row
+        assert row["a_in_shared"] and row["a_in_registers"], row  # S-like products; dV, dK, dQ with A in registers

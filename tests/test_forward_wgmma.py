@@ -128,16 +128,15 @@ def test_config_validation_and_shared_memory():
 
 
 _PTX_SCRIPT = r"""
-import json, re
-from nbflash import forward_wgmma as W
-from nbflash import intrinsics as I
+import importlib, json, re, sys
 from nbflash._device import SIMULATOR, compile_ptx_offline, ptxas_info
 assert not SIMULATOR
-for name, cfg, kern, sig, fastmath in W.compile_targets():
+for name, cfg, kern, sig, fastmath in importlib.import_module(sys.argv[1]).compile_targets():
     ptx = compile_ptx_offline(kern.py_func, sig, cc=(9, 0, "a"), fastmath=fastmath)
     info = ptxas_info(ptx, "sm_90a", check=False)
-    print(json.dumps(dict(config=repr(cfg), ok=info["ok"], log=info["log"][-1500:], registers=info["registers"],
-                          spill=info["spill_bytes"], local=len(re.findall(r"\b(?:ld|st)\.local\b", ptx)),
+    print(json.dumps(dict(name=name, config=repr(cfg), ok=info["ok"], log=info["log"][-1500:],
+                          registers=info["registers"], spill=info["spill_bytes"],
+                          local=len(re.findall(r"\b(?:ld|st)\.local\b", ptx)),
                           shapes=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)", ptx))),
                           a_in_registers=bool(re.search(r"wgmma\.mma_async[^;]*\},\s*\{%r", ptx)),
                           a_in_shared=bool(re.search(r"wgmma\.mma_async[^;]*\},\s*%rd", ptx)))), flush=True)
@@ -145,12 +144,15 @@ for name, cfg, kern, sig, fastmath in W.compile_targets():
 
 
 @functools.cache
-def offline_rows():
+def offline_rows(module: str = "nbflash.forward_wgmma"):
+    """Every GPU configuration of ``module`` (its ``compile_targets()``) compiled for sm_90a and assembled by
+    ptxas, in a subprocess with the simulator off: one dict per kernel."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], env=env, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run([sys.executable, "-c", _PTX_SCRIPT, module], env=env, capture_output=True, text=True,
+                          timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
