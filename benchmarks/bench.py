@@ -441,8 +441,8 @@ def saved_states(rt: Runtime, n: int, build: Callable[[int], Any]) -> list[Any]:
 
 def _nbflash_call(deterministic: bool | None, backend: str) -> Callable[[Runtime, Config, list[Inputs]],
                                                                          tuple[Call, int]]:
-    """nbflash's array API for fp16/fp32, its PyTorch ops for bf16, forced to ``backend`` ("simt" or
-    "tensor_core"); ``deterministic=None``: the API's default dQ route for that backend."""
+    """nbflash's array API for fp16/fp32, its PyTorch ops for bf16, forced to ``backend`` ("simt",
+    "tensor_core" or "wgmma"); ``deterministic=None``: the API's default dQ route for that backend."""
 
     def make_call(rt: Runtime, cfg: Config, sets: list[Inputs]) -> tuple[Call, int]:
         import nbflash
@@ -491,9 +491,12 @@ def _nbflash_call(deterministic: bool | None, backend: str) -> Callable[[Runtime
     return make_call
 
 
-def _nbflash_unsupported(variant: bool, tensor_core: bool = False) -> Callable[[Config], str | None]:
+def _nbflash_unsupported(
+    variant: bool, tensor_core: bool = False, hopper: bool = False
+) -> Callable[[Config], str | None]:
     """Why nbflash cannot run ``cfg``; ``variant``: a backward-only entry whose forward is nbflash-simt's;
-    ``tensor_core``: the constraints of the tensor-core kernels (nbflash.which_backend has the full rule)."""
+    ``tensor_core``: the constraints of the tensor-core kernels (nbflash.which_backend has the full rule);
+    ``hopper``: the wgmma kernels' (compute capability 9.x; backward head dims multiples of 8 up to 128)."""
 
     def unsupported(cfg: Config) -> str | None:
         import nbflash
@@ -509,7 +512,13 @@ def _nbflash_unsupported(variant: bool, tensor_core: bool = False) -> Callable[[
                 return "nbflash tensor cores: float16 and bfloat16 only"
             if cfg.head_dim % 8:
                 return "nbflash tensor cores: head dim must be a multiple of 8"
-            if cfg.pass_name != "forward" and (cfg.head_dim % 16 or cfg.head_dim > 128):
+            if hopper:
+                cc = nbflash._device.compute_capability()
+                if cc is None or cc[0] != 9:
+                    return "nbflash wgmma: a Hopper GPU (compute capability 9.x) only"
+                if cfg.pass_name != "forward" and cfg.head_dim > 128:
+                    return "nbflash wgmma backward: head dim up to 128"
+            elif cfg.pass_name != "forward" and (cfg.head_dim % 16 or cfg.head_dim > 128):
                 return "nbflash tensor-core backward: head dim a multiple of 16 up to 128"
         return None
 
@@ -646,6 +655,8 @@ PROVIDERS: dict[str, Provider] = {
     for p in (
         Provider("nbflash-tc", "nbflash tensor cores", "nbflash", _nbflash_call(None, "tensor_core"),
                  _nbflash_unsupported(False, tensor_core=True), on_simulator=True),
+        Provider("nbflash-wgmma", "nbflash wgmma (Hopper)", "nbflash", _nbflash_call(None, "wgmma"),
+                 _nbflash_unsupported(False, tensor_core=True, hopper=True)),
         Provider("nbflash-simt", "nbflash SIMT", "nbflash", _nbflash_call(None, "simt"), _nbflash_unsupported(False),
                  simt=True, on_simulator=True),
         Provider("nbflash-simt-det", "nbflash SIMT, deterministic dQ", "nbflash", _nbflash_call(True, "simt"),
