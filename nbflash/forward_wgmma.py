@@ -99,6 +99,7 @@ from ._device import SIMULATOR, compute_capability, cuda, device_function, kerne
 from ._tiles import LOG2E
 from ._validate import tile_rows_problem
 from .forward_tc import fragment_steps
+from .forward_tc import kernel_signature as kernel_signature  # the same arguments: q, k, v, o, lse, scale, causal
 from .masking import d_key_range, d_tile_needs_mask
 
 __all__ = [
@@ -568,15 +569,6 @@ def launch_forward_wgmma(cfg: WGConfig, q, k, v, o, lse, scale: float, causal: b
     grid = (-(-seqlen_q // cfg.block_m), heads, batch)
     args = (q, k, v, o, lse, float(scale * LOG2E), bool(causal))
     launch(forward_wgmma_kernel(cfg), grid, (cfg.threads, 1, 1), stream, shared_bytes(cfg), *args)
-
-
-def kernel_signature(cfg: WGConfig):
-    """The Numba argument types of the kernel for ``cfg`` (any strides: layout 'A')."""
-    from numba import types
-
-    elem = types.float16 if cfg.input_kind == "float16" else types.uint16
-    tensor = types.Array(elem, 4, "A")
-    return (tensor, tensor, tensor, tensor, types.Array(types.float32, 3, "A"), types.float64, types.boolean)
 
 
 def compile_targets():
