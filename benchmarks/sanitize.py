@@ -10,7 +10,8 @@ that is not a multiple of 8: plain loads), the SIMT backward kernels
 head dims 40, 64, 128 and 256 — padding, Q in registers or shared memory,
 one and two m-tiles per warp, both K/V pipelines; backward at 64 and 128, both dQ routes), and the
 PyTorch bridge in bfloat16 (forward and backward, tensor cores), and on a Hopper GPU the wgmma forward
-(all three pipelines, head dims 40 to 256, ragged K/V, rows that see no key).
+(every pipeline, the warp-specialised ones' named-barrier handshakes included; head dims 40 to 256, ragged
+K/V, rows that see no key).
 """
 
 import os
@@ -61,10 +62,12 @@ if nbflash._device.compute_capability()[0] == 9:  # the wgmma forward, both pipe
 
     for d, bm, bn, pipe in ((64, 128, 64, "plain"), (128, 128, 128, "plain"), (128, 128, 64, "overlap"),
                             (256, 128, 64, "overlap"), (40, 64, 128, "overlap"), (128, 128, 128, "pingpong"),
-                            (96, 128, 64, "pingpong")):
+                            (96, 128, 64, "pingpong"), (128, 128, 128, "ws:2"), (64, 128, 16, "ws:3"),
+                            (64, 128, 32, "ws-overlap:3")):  # the last two cycle their stages (9 and 5 key tiles)
         x = cp.random.standard_normal((1, 2, 150, d)).astype(cp.float16)
         o3, l3 = cp.empty_like(x), cp.empty((1, 2, 150), dtype=cp.float32)
-        cfg = forward_wgmma.WGConfig(bm, bn, d, "float16", pipe)
+        pipe, _, stages = pipe.partition(":")
+        cfg = forward_wgmma.WGConfig(bm, bn, d, "float16", pipe, **({"stages": int(stages)} if stages else {}))
         forward_wgmma.launch_forward_wgmma(cfg, x, x[:, :, :131], x[:, :, :131], o3, l3, 0.125, True)
 qt, kt, vt = (torch.randn(1, 2, 130, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 nbflash.torch.attention(qt, kt, vt, causal=True).sum().backward()

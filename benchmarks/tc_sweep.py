@@ -67,14 +67,25 @@ CANDIDATES = {
     ],
     256: [(64, 32, False, 1, "double")],
 }
-#: The wgmma kernel's candidates (nbflash.forward_wgmma, Hopper only): (block_m, block_n) per head dim.
+#: The wgmma kernel's candidates (nbflash.forward_wgmma, Hopper only): (block_m, block_n, pipeline[:stages]) per
+#: head dim.
 WG_CANDIDATES = {
     64: [(128, 128, "plain"), (128, 64, "plain"), (128, 128, "overlap"), (128, 64, "overlap"), (192, 128, "overlap"),
-         (192, 64, "overlap"), (64, 128, "overlap"), (128, 64, "pingpong"), (128, 128, "pingpong")],
+         (192, 64, "overlap"), (64, 128, "overlap"), (128, 64, "pingpong"), (128, 128, "pingpong"),
+         (128, 128, "ws:2"), (128, 128, "ws:3"), (128, 128, "ws:4"), (128, 192, "ws:2"), (128, 64, "ws:3"),
+         (128, 128, "ws-overlap:3"), (128, 192, "ws-overlap:3")],
     128: [(128, 128, "plain"), (128, 128, "overlap"), (128, 64, "overlap"), (64, 128, "overlap"),
-          (128, 128, "pingpong"), (128, 64, "pingpong")],
-    256: [(128, 64, "overlap")],
+          (128, 128, "pingpong"), (128, 64, "pingpong"), (128, 128, "ws:2"), (128, 128, "ws:3"), (128, 64, "ws:3"),
+          (128, 64, "ws:4"), (128, 192, "ws:2"), (128, 128, "ws-overlap:3"), (128, 128, "ws-overlap:4"),
+          (128, 64, "ws-overlap:4")],
+    256: [(128, 64, "overlap"), (128, 64, "ws:2"), (128, 32, "ws:3")],
 }
+
+
+def wg_config(bm, bn, d, kind, pipe) -> W.WGConfig:
+    """A :class:`~nbflash.forward_wgmma.WGConfig` from a candidate (``"ws:3"``: the ws pipeline, 3 stages)."""
+    name, _, stages = pipe.partition(":")
+    return W.WGConfig(bm, bn, d, kind, name, **({"stages": int(stages)} if stages else {}))
 #: Names accepted by --configs besides tags: choose_config's pick for each head dim and dtype, its split pipeline,
 #: and the wgmma kernel's pick.
 NAMED = ("default", "default-split", "wg-default")
@@ -86,9 +97,12 @@ def tag(cfg) -> str:
     """``64x32`` (Q fragments in registers) or ``64x32s`` (Q re-read from shared memory); ``/2``: two m-tiles
     per warp; ``-split``: FlashAttention-2's split K/V pipeline (one K and one V buffer, two cp.async groups);
     ``wg128x128``: the wgmma kernel's tiles, overlapped pipeline (``-plain``: every product waited for at once;
-    ``-pp``: the two warpgroups take turns)."""
+    ``-pp``: the two warpgroups take turns; ``-ws3``: a producer warpgroup and 3 K/V stages; ``-wso3``: the same,
+    each warpgroup also overlapping its softmax with its own P V)."""
     if isinstance(cfg, W.WGConfig):
-        return f"wg{cfg.block_m}x{cfg.block_n}" + {"plain": "-plain", "overlap": "", "pingpong": "-pp"}[cfg.pipeline]
+        suffix = {"plain": "-plain", "overlap": "", "pingpong": "-pp", "ws": f"-ws{cfg.stages}",
+                  "ws-overlap": f"-wso{cfg.stages}"}[cfg.pipeline]
+        return f"wg{cfg.block_m}x{cfg.block_n}{suffix}"
     return (
         f"{cfg.block_m}x{cfg.block_n}{'' if cfg.q_in_regs else 's'}{'/2' if cfg.m_tiles == 2 else ''}"
         f"{'-split' if cfg.kv_pipeline == 'split' else ''}"
@@ -101,7 +115,7 @@ def select(dims, kinds, wanted=None):
     for d in dims:
         for kind in kinds:
             listed = [T.TCConfig(bm, bn, d, kind, qr, mt, kp) for bm, bn, qr, mt, kp in CANDIDATES.get(d, [])]
-            listed += [W.WGConfig(bm, bn, d, kind, pipe) for bm, bn, pipe in WG_CANDIDATES.get(d, [])]
+            listed += [wg_config(bm, bn, d, kind, pipe) for bm, bn, pipe in WG_CANDIDATES.get(d, [])]
             if wanted is None:
                 cfgs += listed
                 continue

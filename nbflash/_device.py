@@ -179,6 +179,16 @@ def _sim_shfl_xor(mask, value, lane_mask):
     return out
 
 
+def _sim_warp_uniform(value):
+    """``shfl.sync.idx`` from lane 0: lane 0's ``value`` in every lane of the warp."""
+    lane, warp = _sim_warp()
+    warp.slots[lane] = value
+    warp.barrier.wait()  # all lanes have published their value
+    out = warp.slots[0]
+    warp.barrier.wait()  # all lanes have read before anyone overwrites a slot
+    return out
+
+
 def _sim_syncwarp(mask=FULL_MASK):
     """``bar.warp.sync``: the lanes of the calling warp wait for each other."""
     _, warp = _sim_warp()
@@ -188,11 +198,19 @@ def _sim_syncwarp(mask=FULL_MASK):
 if SIMULATOR:
     shfl_xor = _sim_shfl_xor
     syncwarp = _sim_syncwarp
+    warp_uniform = _sim_warp_uniform
 else:
 
     @device_function
     def shfl_xor(mask, value, lane_mask):
         return cuda.shfl_xor_sync(mask, value, lane_mask)
+
+    @device_function
+    def warp_uniform(value):
+        """Lane 0's ``value`` in every lane (``shfl.sync.idx``): the same number, but now the compiler knows that
+        all lanes of the warp agree on it (as CUTLASS's ``canonical_warp_group_idx``).  A branch on it is not
+        divergent, so ptxas need not serialise the wgmmas inside it."""
+        return cuda.shfl_sync(FULL_MASK, value, 0)
 
     @device_function
     def syncwarp():

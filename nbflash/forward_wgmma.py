@@ -33,7 +33,7 @@ is stored at chunk ``c ^ (row % 8)``.  The same bytes are a K-major operand
     K_j  panel 0 | panel 1 ...     BLOCK_N × 128 bytes each      (B of S, K-major)
     V_j  panel 0 | panel 1 ...     BLOCK_N × 128 bytes each      (B of P V, N-major; LBO = panel size)
 
-Three schedules of the same steps, a compile-time choice (``WGConfig.pipeline``);
+Five schedules of the same steps, a compile-time choice (``WGConfig.pipeline``);
 the kernel has one loop per schedule, each under its flag.
 
 ``"plain"`` (one K and one V buffer, FlashAttention-2's split ``cp.async``
@@ -82,6 +82,33 @@ the tensor cores, and O is rescaled after it (``softmax_rows`` then
 ``rescale_rows``).  P_{j-1}'s registers are read by the in-flight wgmma, so
 P_j is packed only after its wait.
 
+``"ws"`` (warp specialisation: two computing warpgroups and a *producer*
+warpgroup, ``stages`` K/V buffers, no block-wide barrier in the loop): the
+producer only copies, with ``cp.async``; each stage is handed over through
+two named barriers, ``FULL + s`` (the producer's ``bar.arrive`` after its
+wait and proxy fence; the consumers' ``bar.sync``) and ``EMPTY + s`` (the
+consumers' ``bar.arrive`` once their last wgmma reading the stage has
+finished; the producer's ``bar.sync`` before it refills it).  The consumers
+take turns on the tensor cores as in ping-pong, but strictly alternating one
+product at a time, so neither waits for the other at a tile boundary::
+
+    producer:     copy j+1 ─ wait ─ FULL(j+1) ─ EMPTY(j) ─ copy j+2 ...
+    tensor cores: S(wg0) | S(wg1) | PV(wg0) | PV(wg1) | S(wg0) of j+1 ...
+    warpgroup 0:  issue  | softmax| issue   |  wait   | issue
+    warpgroup 1:  wait   | issue  | softmax | issue   | softmax ...
+
+The producer issues no wgmma, so the kernel's branch on the warpgroup is on
+:func:`~nbflash._device.warp_uniform` (lane 0's value): ptxas otherwise
+treats it as divergent and serialises the wgmmas behind it.  384 threads
+leave 168 registers per thread; the producer needs few, but Numba's
+linked compile gives ptxas no way to move them (``setmaxnreg`` is ignored in
+code compiled for linking, ptxas' C7504), so the consumers keep to 168.
+
+``"ws-overlap"`` (ws, 3 or 4 stages): each consumer also overlaps its own
+softmax with its P V, as in ``"overlap"``: its turn issues S_j and
+O += P_{j-1} V_{j-1} together.  Tile j - 1 is released only after that P V,
+hence a third stage.  It needs about 200 registers per thread.
+
 Requires sm_90a.  Constraints (:func:`can_implement`) as for the ``mma.sync``
 kernel: D a multiple of 8 up to 256; rows whole, 16-byte-aligned chunks.
 """
@@ -95,7 +122,17 @@ import numpy as np
 
 from . import hopper as HW
 from . import intrinsics as I
-from ._device import SIMULATOR, compute_capability, cuda, device_function, kernel, launch, max_shared_per_block, numba
+from ._device import (
+    SIMULATOR,
+    compute_capability,
+    cuda,
+    device_function,
+    kernel,
+    launch,
+    max_shared_per_block,
+    numba,
+    warp_uniform,
+)
 from ._tiles import LOG2E
 from ._validate import tile_rows_problem
 from .forward_tc import fragment_steps
@@ -113,6 +150,8 @@ __all__ = [
 ]
 
 PANEL = 64  # head-dim columns per 128-byte swizzled line
+PIPELINES = ("plain", "overlap", "pingpong", "ws", "ws-overlap")
+PRODUCER_THREADS = 128  # the ws pipeline's copying warpgroup
 
 
 @dataclass(frozen=True)
@@ -127,7 +166,8 @@ class WGConfig:
     block_n: int  # keys per K/V tile: a wgmma N (16 ... 256)
     head_dim: int  # D, a multiple of 8 up to 256 (padded to a multiple of 64 inside)
     input_kind: str  # "float16" or "bfloat16"
-    pipeline: str = "overlap"  # "plain", "overlap" or "pingpong": the schedules of the module docstring
+    pipeline: str = "overlap"  # one of PIPELINES: the schedules of the module docstring
+    stages: int = 2  # K/V buffers of the warp-specialised pipelines ("ws": 2 to 4, "ws-overlap": 3 or 4)
 
     def __post_init__(self):
         if self.block_m not in (64, 128, 192):
@@ -139,24 +179,38 @@ class WGConfig:
             raise ValueError(f"head_dim must be a multiple of 8 up to 256, got {self.head_dim}")
         if self.input_kind not in ("float16", "bfloat16"):
             raise ValueError(f"input_kind must be 'float16' or 'bfloat16', got {self.input_kind!r}")
-        if self.pipeline not in ("plain", "overlap", "pingpong"):
-            raise ValueError(f"pipeline must be 'plain', 'overlap' or 'pingpong', got {self.pipeline!r}")
-        if self.pipeline == "pingpong" and self.block_m != 128:
-            raise ValueError(f"the pingpong pipeline takes turns between two warpgroups: block_m must be 128, "
-                             f"got {self.block_m}")
+        if self.pipeline not in PIPELINES:
+            raise ValueError(f"pipeline must be one of {PIPELINES}, got {self.pipeline!r}")
+        if self.pipeline in ("pingpong", "ws", "ws-overlap") and self.block_m != 128:
+            raise ValueError(f"the {self.pipeline} pipeline takes turns between two warpgroups: block_m must be "
+                             f"128, got {self.block_m}")
+        if self.pipeline == "ws" and self.stages not in (2, 3, 4):
+            raise ValueError(f"the ws pipeline has 2 to 4 K/V stages, got stages={self.stages}")
+        if self.pipeline == "ws-overlap" and self.stages not in (3, 4):
+            raise ValueError(f"the ws-overlap pipeline has 3 or 4 K/V stages (a tile is released only after the "
+                             f"next tile's S is computed), got stages={self.stages}")
+        if not self.warp_specialized and self.stages != 2:
+            raise ValueError(f"stages applies to the ws pipeline only (the {self.pipeline} pipeline fixes its "
+                             f"buffers), got stages={self.stages}")
 
     @property
     def kv_buffers(self) -> int:
-        """Buffers of K (and of V): one for the plain pipeline, two for the others."""
-        return 1 if self.pipeline == "plain" else 2
+        """Buffers of K (and of V): one for the plain pipeline, ``stages`` for ws, two for the others."""
+        return self.stages if self.warp_specialized else 1 if self.pipeline == "plain" else 2
+
+    @property
+    def warp_specialized(self) -> bool:
+        """A producer warpgroup copies, the others compute ("ws", "ws-overlap")."""
+        return self.pipeline.startswith("ws")
 
     @property
     def warpgroups(self) -> int:
+        """The warpgroups that compute (64 query rows each); ws adds a producer warpgroup."""
         return self.block_m // 64
 
     @property
     def threads(self) -> int:
-        return HW.WARPGROUP * self.warpgroups
+        return HW.WARPGROUP * self.warpgroups + (PRODUCER_THREADS if self.warp_specialized else 0)
 
     @property
     def d_pad(self) -> int:
@@ -283,15 +337,24 @@ def forward_wgmma_kernel(cfg: WGConfig):
     OVERLAP = cfg.pipeline == "overlap"
     PINGPONG = cfg.pipeline == "pingpong"
     PLAIN = cfg.pipeline == "plain"
+    WS = cfg.warp_specialized  # "ws" or "ws-overlap": a producer warpgroup, named-barrier handshakes
+    WSO = cfg.pipeline == "ws-overlap"
     TURN_0, TURN_1, PAIR = 1, 2, 2 * HW.WARPGROUP  # named barriers: "warpgroup 0 / 1 may issue"; both count
+    STAGES = cfg.kv_buffers
+    WARPGROUPS = cfg.warpgroups
+    CONSUMERS = HW.WARPGROUP * WARPGROUPS  # threads that compute; in ws the producer warpgroup comes after them
+    FULL, EMPTY = 3, 3 + STAGES  # ws: named barriers FULL + s ("stage s has landed"), EMPTY + s ("... is free")
+    HANDSHAKE = CONSUMERS + PRODUCER_THREADS  # ws: both sides count at FULL and EMPTY
     KV_STRIDE = BLOCK_N * D_PAD  # elements from one K (or V) buffer to the other
     steps = fragment_steps(N_TILES, D_TILES, D, cfg.input_kind)
     init_rows, mask_scores, online_softmax, p_frags, write_rows, softmax_rows, rescale_rows = steps
 
-    load_q = swizzled_tile_loader(BLOCK_M, THREADS, D)
-    load_kv = swizzled_tile_loader(BLOCK_N, THREADS, D)
+    LOAD_THREADS = PRODUCER_THREADS if WS else THREADS  # ws: only the producer warp copies
+    load_q = swizzled_tile_loader(BLOCK_M, LOAD_THREADS, D)
+    load_kv = swizzled_tile_loader(BLOCK_N, LOAD_THREADS, D)
 
-    @kernel(fastmath=True)
+    # ws: 384 threads, so ptxas must keep to 65536 / 384 = 168 registers per thread (the launch bounds)
+    @kernel(fastmath=True, launch_bounds=(THREADS, 1) if WS else None)
     def flash_forward_wgmma(q, k, v, o, lse, qk_scale_log2, causal):
         """One block: O_i and lse_i for BLOCK_M queries of one (batch, head)."""
         seqlen_q = q.shape[2]
@@ -300,7 +363,9 @@ def forward_wgmma_kernel(cfg: WGConfig):
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
         tid = numba.int64(u32(cuda.threadIdx.x))
-        wg = tid // HW.WARPGROUP  # this thread's warpgroup: rows 64·wg .. 64·wg + 63 of the tile
+        # This thread's warpgroup (rows 64·wg .. 64·wg + 63 of the tile; in ws, the last one copies), known to
+        # the compiler as the same in every lane of a warp.
+        wg = warp_uniform(tid // HW.WARPGROUP)
         lane = tid % 32
         g = lane // 4  # this thread's rows g and g + 8 of its warp's 16 ...
         t = lane % 4  # ... and columns 2t, 2t + 1 of every 8-column tile
@@ -324,12 +389,135 @@ def forward_wgmma_kernel(cfg: WGConfig):
         # Step 1: Q_i and K_0, one cp.async group.
         _, k_end = d_key_range(q_start, BLOCK_M, seqlen_q, seqlen_k, causal)
         n_tiles = (k_end + BLOCK_N - 1) // BLOCK_N
-        load_q(smem, 0, q, b, h, q_start, seqlen_q, tid)
-        if n_tiles > 0:
-            load_kv(smem, K_OFF, k, b, h, 0, seqlen_k, tid)
-            if PINGPONG:
-                load_kv(smem, V_OFF, v, b, h, 0, seqlen_k, tid)
-        I.cp_async_commit()
+        producer = WS and wg == WARPGROUPS  # ws: the copying warpgroup (threads CONSUMERS ..)
+        if not WS:
+            load_q(smem, 0, q, b, h, q_start, seqlen_q, tid)
+            if n_tiles > 0:
+                load_kv(smem, K_OFF, k, b, h, 0, seqlen_k, tid)
+                if PINGPONG:
+                    load_kv(smem, V_OFF, v, b, h, 0, seqlen_k, tid)
+            I.cp_async_commit()
+
+        if producer:
+            # ws, the producer warpgroup only copies.  Tiles 0 .. STAGES - 2 first (Q_i with tile 0), one group each.
+            ptid = tid - CONSUMERS
+            if n_tiles > 0:
+                load_q(smem, 0, q, b, h, q_start, seqlen_q, ptid)
+            for tile in range(STAGES - 1):
+                if tile < n_tiles:
+                    load_kv(smem, K_OFF + tile * KV_STRIDE, k, b, h, tile * BLOCK_N, seqlen_k, ptid)
+                    load_kv(smem, V_OFF + tile * KV_STRIDE, v, b, h, tile * BLOCK_N, seqlen_k, ptid)
+                I.cp_async_commit()  # possibly empty: one group per tile keeps the wait count below constant
+            for j in range(n_tiles):
+                # Tile j has landed once at most STAGES - 2 groups (tiles j + 1 ...) are still in flight.
+                if STAGES == 2:
+                    I.cp_async_wait(0)
+                elif STAGES == 3:
+                    I.cp_async_wait(1)
+                else:
+                    I.cp_async_wait(2)
+                HW.fence_proxy_async()  # my cp.async writes → visible to the tensor cores (the async proxy)
+                # Release stage j % STAGES to the consumers: bar.arrive orders my writes before their bar.sync.
+                HW.named_barrier_arrive(FULL + j % STAGES, HANDSHAKE)
+                tile = j + STAGES - 1  # the tile that goes into the stage tile j - 1 occupied
+                if tile < n_tiles:
+                    if j > 0:
+                        # Both warpgroups have waited for their last wgmma reading tile j - 1 (K_{j-1}, V_{j-1}).
+                        HW.named_barrier_sync(EMPTY + (j - 1) % STAGES, HANDSHAKE)
+                    load_kv(smem, K_OFF + (tile % STAGES) * KV_STRIDE, k, b, h, tile * BLOCK_N, seqlen_k, ptid)
+                    load_kv(smem, V_OFF + (tile % STAGES) * KV_STRIDE, v, b, h, tile * BLOCK_N, seqlen_k, ptid)
+                I.cp_async_commit()
+
+        for j in range(n_tiles if WS and not WSO and not producer else 0):
+            k_start = j * BLOCK_N
+            stage = j % STAGES
+            if j == 0 and wg == 1:
+                HW.named_barrier_arrive(TURN_0, PAIR)  # warpgroup 0 takes the first turn
+            # ws, a consumer warpgroup: the producer has released stage j % STAGES (K_j, V_j; Q_i with tile 0).
+            HW.named_barrier_sync(FULL + stage, HANDSHAKE)
+
+            # S = Q_i K_jᵀ in my turn.  The turns alternate strictly, one product each: S(wg0), S(wg1), PV(wg0),
+            # PV(wg1), S(wg0) of the next tile ...; so one warpgroup's softmax runs under the other's product.
+            HW.named_barrier_sync(TURN_0 if wg == 0 else TURN_1, PAIR)
+            s = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
+            HW.wgmma_fence()
+            s = qk_product(s, q_desc, k_desc + u64((stage * KV_STRIDE * 2) >> 4))
+            HW.wgmma_commit_group()
+            HW.named_barrier_arrive(TURN_1 if wg == 0 else TURN_0, PAIR)  # the other warpgroup's turn
+            HW.wgmma_wait_group(0)
+            s = HW.wgmma_fence_operand(s)
+            HW.acc_to_array(s, S)
+
+            if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
+                mask_scores(S, row0, k_start, seqlen_q, seqlen_k, causal, g, t)
+            online_softmax(S, acc, m_i, l_i, scale_log2)
+
+            # O += P V_j in my next turn.
+            HW.named_barrier_sync(TURN_0 if wg == 0 else TURN_1, PAIR)
+            o_t = HW.wgmma_fence_operand(HW.acc_from_array(acc, D_PAD))
+            HW.wgmma_fence()  # the rescaled accumulators are written before the wgmma reads them
+            for kk in range(PV_STEPS):
+                p_frags(P, S, kk, kk)
+            o_t = pv_product(o_t, P, v_desc + u64((stage * KV_STRIDE * 2) >> 4))
+            HW.wgmma_commit_group()
+            if wg == 0 or j + 1 < n_tiles:  # the very last product hands the turn to nobody
+                HW.named_barrier_arrive(TURN_1 if wg == 0 else TURN_0, PAIR)
+            HW.wgmma_wait_group(0)
+            o_t = HW.wgmma_fence_operand(o_t)
+            HW.acc_to_array(o_t, acc)
+            if j + STAGES < n_tiles:  # the producer refills this stage with tile j + STAGES
+                HW.named_barrier_arrive(EMPTY + stage, HANDSHAKE)
+
+        for j in range(n_tiles if WSO and not producer else 0):
+            k_start = j * BLOCK_N
+            stage = j % STAGES
+            if j == 0 and wg == 1:
+                HW.named_barrier_arrive(TURN_0, PAIR)  # warpgroup 0 takes the first turn
+            HW.named_barrier_sync(FULL + stage, HANDSHAKE)  # K_j, V_j (and Q_i with tile 0) have landed
+
+            # In my turn: S_j = Q_i K_jᵀ and O += P_{j-1} V_{j-1}, two groups; the other warpgroup's pair follows.
+            HW.named_barrier_sync(TURN_0 if wg == 0 else TURN_1, PAIR)
+            s = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
+            o_t = HW.wgmma_fence_operand(HW.acc_from_array(acc, D_PAD))
+            HW.wgmma_fence()  # the accumulators (rescaled in iteration j - 1) are written before wgmma reads them
+            s = qk_product(s, q_desc, k_desc + u64((stage * KV_STRIDE * 2) >> 4))
+            HW.wgmma_commit_group()
+            if j > 0:
+                o_t = pv_product(o_t, P, v_desc + u64((((j - 1) % STAGES) * KV_STRIDE * 2) >> 4))
+            HW.wgmma_commit_group()  # possibly empty: "all but the newest group" is then S_j in every iteration
+            HW.named_barrier_arrive(TURN_1 if wg == 0 else TURN_0, PAIR)
+
+            # S_j is done (P_{j-1} V_{j-1} may still run): mask and softmax under the tensor cores' work.
+            HW.wgmma_wait_group(1)
+            s = HW.wgmma_fence_operand(s)
+            HW.acc_to_array(s, S)
+            if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
+                mask_scores(S, row0, k_start, seqlen_q, seqlen_k, causal, g, t)
+            softmax_rows(S, m_i, l_i, scale_log2, alpha)  # S becomes P_j; O must be scaled by alpha
+
+            # O += P_{j-1} V_{j-1} is done: tile j - 1 is free (its K read by S_{j-1}, its V now); rescale O and
+            # only now overwrite P_{j-1}'s registers (an in-flight wgmma still reads its A registers) with P_j.
+            HW.wgmma_wait_group(0)
+            o_t = HW.wgmma_fence_operand(o_t)
+            HW.acc_to_array(o_t, acc)
+            if j > 0 and j - 1 + STAGES < n_tiles:  # the producer refills that stage with tile j - 1 + STAGES
+                HW.named_barrier_arrive(EMPTY + (j - 1) % STAGES, HANDSHAKE)
+            rescale_rows(acc, alpha)
+            for kk in range(PV_STEPS):
+                p_frags(P, S, kk, kk)
+
+        if WSO and not producer and n_tiles > 0:
+            # The last O += P V, in one more turn (which warpgroup 1 hands to nobody).
+            HW.named_barrier_sync(TURN_0 if wg == 0 else TURN_1, PAIR)
+            o_t = HW.wgmma_fence_operand(HW.acc_from_array(acc, D_PAD))
+            HW.wgmma_fence()
+            o_t = pv_product(o_t, P, v_desc + u64((((n_tiles - 1) % STAGES) * KV_STRIDE * 2) >> 4))
+            HW.wgmma_commit_group()
+            if wg == 0:
+                HW.named_barrier_arrive(TURN_1, PAIR)
+            HW.wgmma_wait_group(0)
+            o_t = HW.wgmma_fence_operand(o_t)
+            HW.acc_to_array(o_t, acc)
 
         for j in range(n_tiles if PINGPONG else 0):
             k_start = j * BLOCK_N
@@ -485,7 +673,8 @@ def forward_wgmma_kernel(cfg: WGConfig):
         I.cp_async_wait_all()  # nothing left in flight (only Q's group when no key tile was visible)
 
         # Step 3: O_i = acc / l_i, lse_i = m_i + log l_i.
-        write_rows(o, lse, acc, m_i, l_i, b, h, row0, seqlen_q, g, t)
+        if not producer:
+            write_rows(o, lse, acc, m_i, l_i, b, h, row0, seqlen_q, g, t)
 
     return flash_forward_wgmma
 
@@ -504,13 +693,20 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
     non-causal; runs differ by up to 8 % from one another):
 
     * D ≤ 64: 128 × 64, plain pipeline: 259–266 / 325–327 / 348–353 (SDPA
-      flash 272–277 / 300 / 306).  128 × 128 plain gives 227 / 298 / 325;
+      flash 272–277 / 300 / 306); ws 128 × 128 (session 7) 233–234 / 301–309 /
+      332–333 against 237–242 / 311–320 / 346–353 plain in the same runs.  128 × 128 plain gives 227 / 298 / 325;
       overlapped 259–263 / 312 / 331; pingpong 222 / 262 / 283 (98 registers
       plain, 106 overlapped, 130 pingpong: at two blocks per SM the blocks
       already overlap each other).
-    * D = 128: 128 × 128, pingpong: 315 / 408 / 439 against 305 / 369 / 423
-      plain in the same run (causal 214 / 341 / 435 against 215 / 334 / 403;
-      SDPA flash 322 / 354 / 351); overlapped 298 / 395 / 417.
+    * D = 128: 128 × 128, ws with 2 stages (``-ws-wg`` and ``-wso`` runs,
+      session 7): 300–301 / 398–409 / 431–444 against pingpong's 298–299 /
+      363–365 / 415–417 in the same runs (causal 213–216 / 348–353 /
+      430–440 against 215–217 / 339–341 / 389–406); 3 stages 287 / 379 /
+      402 (its 224 KB leave the L1 little room), 128 × 64 tiles 336–376 at
+      N ≥ 4k; ws-overlap 220 / 263 / 279: it needs ~200 registers and gets 168
+      (384 threads), so it spills.  Session 6: pingpong 315 / 408 / 439 against
+      305 / 369 / 423 plain (SDPA flash 322 / 354 / 351); overlapped 298 /
+      395 / 417.
     * D > 128 (not timed): 128 × 64, overlapped (234 registers at D = 256,
       no spill); checked on the H200 by the tests.
 
@@ -528,7 +724,7 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
     if d_pad <= 64:
         return WGConfig(128, 64, head_dim, input_kind, "plain")
     if d_pad <= 128:
-        return WGConfig(128, 128, head_dim, input_kind, "pingpong")
+        return WGConfig(128, 128, head_dim, input_kind, "ws", stages=2)
     return WGConfig(128, 64, head_dim, input_kind, "overlap")
 
 

@@ -176,6 +176,7 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 
+from . import intrinsics as I
 from ._device import SIMULATOR, _sim_lock, device_function, intrinsic
 from .intrinsics import (
     _F32,
@@ -444,11 +445,20 @@ class _SimSharedSpace:
         return byte
 
     def read_u16(self, addresses):
-        """The 16-bit words at byte ``addresses`` (an array), all inside one registered array."""
+        """The 16-bit words at byte ``addresses`` (an array), all inside one registered array; through the async
+        proxy, so none may lie in a ``cp.async`` chunk its writer has not fenced yet."""
         lo, hi = int(addresses.min()), int(addresses.max()) + 2
-        for _, nbytes, base, u8 in self.regions:
+        for ptr, nbytes, base, u8 in self.regions:
             if base <= lo and hi <= base + nbytes:
                 off = addresses - base
+                unfenced = _sim_unfenced_chunks()
+                if unfenced:
+                    with _sim_lock:
+                        hit = unfenced.intersection((np.unique(off & ~15) + ptr).tolist())
+                    if hit:
+                        raise RuntimeError(f"wgmma read {len(hit)} shared 16-byte chunk(s) that cp.async wrote and "
+                                           "the writing thread has not passed to the async proxy "
+                                           "(fence_proxy_async) yet")
                 return u8[off].astype(np.uint16) | (u8[off + 1].astype(np.uint16) << np.uint16(8))
         raise ValueError(f"wgmma operand bytes {lo:#x}..{hi:#x} are not inside one shared array known to "
                          "smem_address (every tile must come from an address smem_address gave)")
@@ -491,7 +501,7 @@ def _thread_state():
     thread = threading.current_thread()
     state = getattr(thread, "_nbflash_wgmma", None)
     if state is None:
-        state = thread._nbflash_wgmma = {"fenced": False, "proxy_fenced": False}
+        state = thread._nbflash_wgmma = {"fenced": False, "landed": []}
     return state
 
 
@@ -536,15 +546,41 @@ def _sim_wgmma_wait_group(n):
     _thread_state()["fenced"] = False
 
 
+def _sim_unfenced_chunks():
+    """Per block: host addresses of the 16-byte shared chunks that ``cp.async`` wrote (landed) and the writing
+    thread has not yet fenced with :func:`fence_proxy_async`; a wgmma reading one of them raises."""
+    return _sim_block_state("_nbflash_unfenced_chunks", set)
+
+
+def _sim_observe_landing(dst, start):
+    chunk = dst.__array_interface__["data"][0] + start
+    _thread_state()["landed"].append(chunk)
+    unfenced = _sim_unfenced_chunks()
+    with _sim_lock:
+        unfenced.add(chunk)
+
+
+I.SIM_LAND_OBSERVERS.append(_sim_observe_landing)
+
+
 def _sim_fence_proxy_async():
     """Make this thread's generic-proxy writes to shared memory visible to the async proxy (the tensor cores).
 
     PTX: ``fence.proxy.async.shared::cta``; sm_90.  After writing a tile with
     ordinary stores or ``cp.async`` (and its wait), before the barrier that
-    precedes the wgmma reading it.  Simulator: recorded; a thread whose first
-    wgmma comes before any proxy fence raises.
+    precedes the wgmma reading it — by the thread that wrote, whichever
+    threads then issue the wgmma (in a warp-specialised kernel, a producer
+    warp writes and fences, the consumers issue).  Simulator: every
+    ``cp.async`` chunk is tracked from its landing to its writer's fence, and a
+    wgmma that reads a chunk still unfenced raises; for ordinary stores
+    (untracked), a wgmma issued before any thread of the block fenced raises.
     """
-    _thread_state()["proxy_fenced"] = True
+    state = _thread_state()
+    landed, state["landed"] = state["landed"], []
+    unfenced, fenced = _sim_unfenced_chunks(), _sim_block_state("_nbflash_proxy_fenced", lambda: [False])
+    with _sim_lock:
+        unfenced.difference_update(landed)
+        fenced[0] = True
 
 
 def _sim_wgmma_fence_operand(acc):
@@ -570,9 +606,9 @@ def _sim_issue(n, acc, slot, tile):
     state = _thread_state()
     if not state["fenced"]:
         raise RuntimeError("wgmma issued without a wgmma_fence() since the last wgmma_wait_group")
-    if not state["proxy_fenced"]:
-        raise RuntimeError("wgmma issued before any fence_proxy_async(): shared-memory tiles written with "
-                           "ordinary stores are not visible to the tensor cores without it")
+    if not _sim_block_state("_nbflash_proxy_fenced", lambda: [False])[0]:
+        raise RuntimeError("wgmma issued before any fence_proxy_async() in the block: shared-memory tiles written "
+                           "with ordinary stores are not visible to the tensor cores without it")
     index, wg = _sim_warpgroup()
     wg.slots[index] = slot
     wg.barrier.wait()  # every thread has published its operands

@@ -384,9 +384,16 @@ def _sim_cp_async_queue():
     return state
 
 
+#: Simulator only: functions called as ``f(dst, byte_start)`` for every ``cp.async`` chunk that lands (in the
+#: landing thread).  :mod:`nbflash.hopper` keeps the chunks that have not passed a ``fence.proxy.async`` yet.
+SIM_LAND_OBSERVERS = []
+
+
 def _sim_land(copies):
     for dst, start, chunk in copies:
         dst.reshape(-1).view(np.uint8)[start : start + 16] = chunk
+        for observe in SIM_LAND_OBSERVERS:
+            observe(dst, start)
 
 
 def _sim_cp_async_16(dst, dst_offset, src, src_index, src_bytes=16):

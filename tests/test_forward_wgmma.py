@@ -74,6 +74,20 @@ def test_forward_wgmma_two_warpgroups_bshd(xp, rng, pipeline):
 
 
 @hopper
+@pytest.mark.parametrize("pipeline,stages,kind,causal,n_q,n_k", [
+    ("ws", 2, "bfloat16", True, 130, 75), ("ws", 3, "float16", False, 70, 83), ("ws", 4, "bfloat16", True, 9, 100),
+    ("ws-overlap", 3, "float16", True, 130, 75), ("ws-overlap", 4, "bfloat16", False, 40, 110)])
+def test_forward_wgmma_warp_specialized(xp, rng, pipeline, stages, kind, causal, n_q, n_k):
+    """The ws pipelines: a producer warpgroup copies K/V tiles into ``stages`` buffers and hands them over through
+    named barriers (FULL / EMPTY), the two warpgroups take turns (ws-overlap: each also overlaps its softmax with
+    its own P V).  Copies land only at the producer's wait, so a
+    stage read before its FULL handshake or refilled before its EMPTY one is NaN here.  Sizes cross the stages
+    more than once (up to 7 key tiles of 16), with ragged tails, a query block whose rows see no key, and bshd."""
+    cfg = W.WGConfig(128, 16, 64, kind, pipeline, stages=stages)
+    run_and_check(xp, rng, n_q, n_k, 64, kind, causal, cfg=cfg, layout="bshd", heads=1, launch=launch)
+
+
+@hopper
 @pytest.mark.slow
 @pytest.mark.parametrize("d", [64, 128])
 def test_forward_wgmma_gpu_configuration(xp, rng, d):
@@ -123,6 +137,13 @@ def test_config_validation_and_shared_memory():
         W.WGConfig(64, 16, 64, "float16", "triple")
     with pytest.raises(ValueError, match="two warpgroups"):
         W.WGConfig(64, 16, 64, "float16", "pingpong")
+    with pytest.raises(ValueError, match="stages"):
+        W.WGConfig(128, 16, 64, "float16", "ws", stages=5)
+    with pytest.raises(ValueError, match="stages"):
+        W.WGConfig(128, 16, 64, "float16", "overlap", stages=3)
+    ws = W.WGConfig(128, 128, 128, "bfloat16", "ws", stages=3)
+    assert ws.threads == 3 * 128  # two consumer warpgroups and the producer warpgroup
+    assert W.shared_bytes(ws) == (1 + 2 * 3) * 32 * 1024  # Q and three K, V stages: 224 KB, under Hopper's 227
     k_off, v_off, end = W.shared_offsets(W.WGConfig(192, 64, 96, "bfloat16"))
     assert k_off * 2 % 1024 == 0 and v_off * 2 % 1024 == 0  # every swizzled tile starts 1024-byte aligned
 
@@ -132,10 +153,13 @@ import importlib, json, re, sys
 from nbflash._device import SIMULATOR, compile_ptx_offline, ptxas_info
 assert not SIMULATOR
 for name, cfg, kern, sig, fastmath in importlib.import_module(sys.argv[1]).compile_targets():
-    ptx = compile_ptx_offline(kern.py_func, sig, cc=(9, 0, "a"), fastmath=fastmath)
+    bounds = kern.targetoptions.get("launch_bounds")  # as the kernel is compiled for the GPU (ws: 168 registers)
+    ptx = compile_ptx_offline(kern.py_func, sig, cc=(9, 0, "a"), fastmath=fastmath,
+                              **({"launch_bounds": bounds} if bounds else {}))
     info = ptxas_info(ptx, "sm_90a", check=False)
     print(json.dumps(dict(name=name, config=repr(cfg), ok=info["ok"], log=info["log"][-1500:],
                           registers=info["registers"], spill=info["spill_bytes"],
+                          serialized=bool(re.search(r"wgmma.mma_async instructions are serialized", info["log"])),
                           local=len(re.findall(r"\b(?:ld|st)\.local\b", ptx)),
                           shapes=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)", ptx))),
                           a_in_registers=bool(re.search(r"wgmma\.mma_async[^;]*\},\s*\{%r", ptx)),
@@ -163,5 +187,6 @@ def test_gpu_configurations_compile_for_sm90a_without_local_memory():
     for (_, cfg, *_), row in zip(W.compile_targets(), rows, strict=True):
         assert row["ok"], row["log"]
         assert row["local"] == 0 and row["spill"] in (0, None), row
+        assert not row["serialized"], row  # ptxas would wait for each wgmma before the next (its C75xx notes)
         assert set(row["shapes"]) == {f"m64n{cfg.block_n}k16", f"m64n{cfg.d_pad}k16"}, row
         assert row["a_in_shared"] and row["a_in_registers"], row  # S = Q Kᵀ from shared; O += P V with P in registers
