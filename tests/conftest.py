@@ -13,6 +13,40 @@ from nbflash._device import SIMULATOR
 # interval makes that much faster.
 sys.setswitchinterval(1e-4)
 
+if SIMULATOR:
+    import threading
+    import traceback
+
+    from numba.cuda import types as _types
+    from numba.cuda.np import numpy_support as _numpy_support
+    from numba.cuda.simulator import kernelapi as _kernelapi
+
+    _dynamic_or_unlocked = _kernelapi.FakeCUDAShared.array
+    _first_use = threading.Lock()
+
+    def _static_shared_array(self, shape, dtype, alignment=None):
+        """The simulator's ``cuda.shared.array``, with a static array's first-use allocation under a lock.
+
+        numba-cuda's simulator makes a static shared array when the first thread of a block reaches its line
+        (looked up, then created, with no lock): with the short switch interval above, two threads can each
+        make one, and then they do not share memory.  nbflash's kernels use dynamic shared memory only (one
+        buffer per block, no race); some test kernels declare static arrays.
+        """
+        if shape == 0:
+            return _dynamic_or_unlocked(self, shape, dtype, alignment)
+        if alignment is not None:
+            raise RuntimeError("Array alignment is not supported in cudasim")
+        if isinstance(dtype, _types.Type):
+            dtype = _numpy_support.as_dtype(dtype)
+        caller = tuple(traceback.extract_stack(sys._getframe())[-2][0:2])  # the kernel's line, as numba keys it
+        with _first_use:
+            array = self._allocations.get(caller)
+            if array is None:
+                array = self._allocations[caller] = np.empty(shape, dtype)
+        return array
+
+    _kernelapi.FakeCUDAShared.array = _static_shared_array
+
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (running in the simulator)")
