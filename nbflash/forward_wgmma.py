@@ -353,6 +353,58 @@ def forward_wgmma_kernel(cfg: WGConfig):
     load_q = swizzled_tile_loader(BLOCK_M, LOAD_THREADS, D)
     load_kv = swizzled_tile_loader(BLOCK_N, LOAD_THREADS, D)
 
+    @device_function
+    def s_in_turn(S, q_desc, k_desc_j, wait_turn, my_turn, hand_turn, other_turn):
+        """S = Q_i K_jᵀ into ``S``, issued in my turn: (if ``wait_turn``) wait at named barrier ``my_turn``, issue,
+        (if ``hand_turn``) hand the tensor cores on at ``other_turn`` before waiting for the product."""
+        if wait_turn:
+            HW.named_barrier_sync(my_turn, PAIR)
+        s = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
+        HW.wgmma_fence()
+        s = qk_product(s, q_desc, k_desc_j)
+        HW.wgmma_commit_group()
+        if hand_turn:
+            HW.named_barrier_arrive(other_turn, PAIR)
+        HW.wgmma_wait_group(0)
+        s = HW.wgmma_fence_operand(s)
+        HW.acc_to_array(s, S)
+
+    @device_function
+    def pv_in_turn(acc, P, S, v_desc_j, my_turn, hand_turn, other_turn):
+        """O += P V_j (P packed from ``S``), issued in my turn: wait at ``my_turn``, issue, (if ``hand_turn``) hand
+        on at ``other_turn``, wait for the product."""
+        HW.named_barrier_sync(my_turn, PAIR)
+        o_t = HW.wgmma_fence_operand(HW.acc_from_array(acc, D_PAD))
+        HW.wgmma_fence()  # the rescaled accumulators are written before the wgmma reads them
+        for kk in range(PV_STEPS):
+            p_frags(P, S, kk, kk)
+        o_t = pv_product(o_t, P, v_desc_j)
+        HW.wgmma_commit_group()
+        if hand_turn:
+            HW.named_barrier_arrive(other_turn, PAIR)
+        HW.wgmma_wait_group(0)
+        o_t = HW.wgmma_fence_operand(o_t)
+        HW.acc_to_array(o_t, acc)
+
+    @device_function
+    def s_landed(s, S):
+        """Overlapped schedules: wait for S_j (the older of the two groups in flight) and store it into ``S``; the
+        O += P_{j-1} V_{j-1} issued after it may still run."""
+        HW.wgmma_wait_group(1)
+        s = HW.wgmma_fence_operand(s)
+        HW.acc_to_array(s, S)
+
+    @device_function
+    def pv_landed(o_t, acc, alpha, P, S):
+        """Overlapped schedules: wait for O += P_{j-1} V_{j-1}, rescale O by the newest tile's ``alpha``, and only
+        now overwrite P_{j-1}'s registers (the in-flight wgmma read them) with P_j, packed from ``S``."""
+        HW.wgmma_wait_group(0)
+        o_t = HW.wgmma_fence_operand(o_t)
+        HW.acc_to_array(o_t, acc)
+        rescale_rows(acc, alpha)
+        for kk in range(PV_STEPS):
+            p_frags(P, S, kk, kk)
+
     # ws: 384 threads, so ptxas must keep to 65536 / 384 = 168 registers per thread (the launch bounds)
     @kernel(fastmath=True, launch_bounds=(THREADS, 1) if WS else None)
     def flash_forward_wgmma(q, k, v, o, lse, qk_scale_log2, causal):
@@ -438,33 +490,13 @@ def forward_wgmma_kernel(cfg: WGConfig):
 
             # S = Q_i K_jᵀ in my turn.  The turns alternate strictly, one product each: S(wg0), S(wg1), PV(wg0),
             # PV(wg1), S(wg0) of the next tile ...; so one warpgroup's softmax runs under the other's product.
-            HW.named_barrier_sync(TURN_0 if wg == 0 else TURN_1, PAIR)
-            s = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
-            HW.wgmma_fence()
-            s = qk_product(s, q_desc, k_desc + u64((stage * KV_STRIDE * 2) >> 4))
-            HW.wgmma_commit_group()
-            HW.named_barrier_arrive(TURN_1 if wg == 0 else TURN_0, PAIR)  # the other warpgroup's turn
-            HW.wgmma_wait_group(0)
-            s = HW.wgmma_fence_operand(s)
-            HW.acc_to_array(s, S)
-
+            mine, other = (TURN_0, TURN_1) if wg == 0 else (TURN_1, TURN_0)
+            s_in_turn(S, q_desc, k_desc + u64((stage * KV_STRIDE * 2) >> 4), True, mine, True, other)
             if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
                 mask_scores(S, row0, k_start, seqlen_q, seqlen_k, causal, g, t)
             online_softmax(S, acc, m_i, l_i, scale_log2)
-
-            # O += P V_j in my next turn.
-            HW.named_barrier_sync(TURN_0 if wg == 0 else TURN_1, PAIR)
-            o_t = HW.wgmma_fence_operand(HW.acc_from_array(acc, D_PAD))
-            HW.wgmma_fence()  # the rescaled accumulators are written before the wgmma reads them
-            for kk in range(PV_STEPS):
-                p_frags(P, S, kk, kk)
-            o_t = pv_product(o_t, P, v_desc + u64((stage * KV_STRIDE * 2) >> 4))
-            HW.wgmma_commit_group()
-            if wg == 0 or j + 1 < n_tiles:  # the very last product hands the turn to nobody
-                HW.named_barrier_arrive(TURN_1 if wg == 0 else TURN_0, PAIR)
-            HW.wgmma_wait_group(0)
-            o_t = HW.wgmma_fence_operand(o_t)
-            HW.acc_to_array(o_t, acc)
+            # O += P V_j in my next turn; the very last product hands the turn to nobody.
+            pv_in_turn(acc, P, S, v_desc + u64((stage * KV_STRIDE * 2) >> 4), mine, wg == 0 or j + 1 < n_tiles, other)
             if j + STAGES < n_tiles:  # the producer refills this stage with tile j + STAGES
                 HW.named_barrier_arrive(EMPTY + stage, HANDSHAKE)
 
@@ -488,36 +520,19 @@ def forward_wgmma_kernel(cfg: WGConfig):
             HW.named_barrier_arrive(TURN_1 if wg == 0 else TURN_0, PAIR)
 
             # S_j is done (P_{j-1} V_{j-1} may still run): mask and softmax under the tensor cores' work.
-            HW.wgmma_wait_group(1)
-            s = HW.wgmma_fence_operand(s)
-            HW.acc_to_array(s, S)
+            s_landed(s, S)
             if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
                 mask_scores(S, row0, k_start, seqlen_q, seqlen_k, causal, g, t)
             softmax_rows(S, m_i, l_i, scale_log2, alpha)  # S becomes P_j; O must be scaled by alpha
-
-            # O += P_{j-1} V_{j-1} is done: tile j - 1 is free (its K read by S_{j-1}, its V now); rescale O and
-            # only now overwrite P_{j-1}'s registers (an in-flight wgmma still reads its A registers) with P_j.
-            HW.wgmma_wait_group(0)
-            o_t = HW.wgmma_fence_operand(o_t)
-            HW.acc_to_array(o_t, acc)
+            pv_landed(o_t, acc, alpha, P, S)
+            # Tile j - 1 is free now (its K read by S_{j-1}, its V by the product just waited for).
             if j > 0 and j - 1 + STAGES < n_tiles:  # the producer refills that stage with tile j - 1 + STAGES
                 HW.named_barrier_arrive(EMPTY + (j - 1) % STAGES, HANDSHAKE)
-            rescale_rows(acc, alpha)
-            for kk in range(PV_STEPS):
-                p_frags(P, S, kk, kk)
 
         if WSO and not producer and n_tiles > 0:
-            # The last O += P V, in one more turn (which warpgroup 1 hands to nobody).
-            HW.named_barrier_sync(TURN_0 if wg == 0 else TURN_1, PAIR)
-            o_t = HW.wgmma_fence_operand(HW.acc_from_array(acc, D_PAD))
-            HW.wgmma_fence()
-            o_t = pv_product(o_t, P, v_desc + u64((((n_tiles - 1) % STAGES) * KV_STRIDE * 2) >> 4))
-            HW.wgmma_commit_group()
-            if wg == 0:
-                HW.named_barrier_arrive(TURN_1, PAIR)
-            HW.wgmma_wait_group(0)
-            o_t = HW.wgmma_fence_operand(o_t)
-            HW.acc_to_array(o_t, acc)
+            # The last O += P V, in one more turn (which warpgroup 1 hands to nobody); P is packed again from S.
+            mine, other = (TURN_0, TURN_1) if wg == 0 else (TURN_1, TURN_0)
+            pv_in_turn(acc, P, S, v_desc + u64((((n_tiles - 1) % STAGES) * KV_STRIDE * 2) >> 4), mine, wg == 0, other)
 
         for j in range(n_tiles if PINGPONG else 0):
             k_start = j * BLOCK_N
@@ -535,37 +550,18 @@ def forward_wgmma_kernel(cfg: WGConfig):
 
             # Step 2b: S = Q_i K_jᵀ, warpgroup 0's products queued before warpgroup 1's: so warpgroup 0's S is
             # done first, and its softmax runs while the tensor cores work on warpgroup 1's.
-            if wg == 1:
-                HW.named_barrier_sync(TURN_1, PAIR)  # warpgroup 0 has issued its S
-            s = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
-            HW.wgmma_fence()
-            k_desc_j = k_desc + u64((buf * KV_STRIDE * 2) >> 4)
-            s = qk_product(s, q_desc, k_desc_j)
-            HW.wgmma_commit_group()
-            HW.named_barrier_arrive(TURN_1 if wg == 0 else TURN_0, PAIR)  # the other warpgroup's turn
-            HW.wgmma_wait_group(0)
-            s = HW.wgmma_fence_operand(s)
-            HW.acc_to_array(s, S)
+            # (Warpgroup 1 waits until warpgroup 0 has issued its S; both then hand the turn to the other.)
+            mine, other = (TURN_0, TURN_1) if wg == 0 else (TURN_1, TURN_0)
+            s_in_turn(S, q_desc, k_desc + u64((buf * KV_STRIDE * 2) >> 4), wg == 1, mine, True, other)
 
             # Step 2c: mask and online softmax (the O accumulators are not in flight: rescaled at once).
             if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
                 mask_scores(S, row0, k_start, seqlen_q, seqlen_k, causal, g, t)
             online_softmax(S, acc, m_i, l_i, scale_log2)
 
-            # Step 2d: O += P V_j, again warpgroup 0 first (it waits until warpgroup 1 has issued its S).
-            HW.named_barrier_sync(TURN_0 if wg == 0 else TURN_1, PAIR)
-            o_t = HW.wgmma_fence_operand(HW.acc_from_array(acc, D_PAD))
-            HW.wgmma_fence()  # the rescaled accumulators are written before the wgmma reads them
-            v_desc_j = v_desc + u64((buf * KV_STRIDE * 2) >> 4)
-            for kk in range(PV_STEPS):
-                p_frags(P, S, kk, kk)
-            o_t = pv_product(o_t, P, v_desc_j)
-            HW.wgmma_commit_group()
-            if wg == 0:
-                HW.named_barrier_arrive(TURN_1, PAIR)  # warpgroup 1 may issue its O += P V
-            HW.wgmma_wait_group(0)
-            o_t = HW.wgmma_fence_operand(o_t)
-            HW.acc_to_array(o_t, acc)
+            # Step 2d: O += P V_j, again warpgroup 0 first (it waits until warpgroup 1 has issued its S); only
+            # warpgroup 0 hands the turn on (to warpgroup 1's O += P V), the block barrier starts the next tile.
+            pv_in_turn(acc, P, S, v_desc + u64((buf * KV_STRIDE * 2) >> 4), mine, wg == 0, other)
 
         for j in range(n_tiles if OVERLAP else 0):
             k_start = j * BLOCK_N
@@ -594,21 +590,13 @@ def forward_wgmma_kernel(cfg: WGConfig):
             HW.wgmma_commit_group()  # possibly empty: "all but the newest group" is then S_j in every iteration
 
             # Step 2c: S_j is done (P_{j-1} V_{j-1} may still run); mask and softmax while the tensor cores work.
-            HW.wgmma_wait_group(1)
-            s = HW.wgmma_fence_operand(s)
-            HW.acc_to_array(s, S)
+            s_landed(s, S)
             if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
                 mask_scores(S, row0, k_start, seqlen_q, seqlen_k, causal, g, t)
             softmax_rows(S, m_i, l_i, scale_log2, alpha)  # S becomes P_j; O must be scaled by alpha
 
-            # Step 2d: O += P_{j-1} V_{j-1} is done: rescale O, and only now overwrite P_{j-1}'s registers
-            # (an in-flight wgmma still reads its A registers) with P_j.
-            HW.wgmma_wait_group(0)
-            o_t = HW.wgmma_fence_operand(o_t)
-            HW.acc_to_array(o_t, acc)
-            rescale_rows(acc, alpha)
-            for kk in range(PV_STEPS):
-                p_frags(P, S, kk, kk)
+            # Step 2d: O += P_{j-1} V_{j-1} is done: rescale O, then P_j replaces P_{j-1} in the A registers.
+            pv_landed(o_t, acc, alpha, P, S)
 
         if OVERLAP and n_tiles > 0:
             # Step 2e: the last O += P V, once V_{n-1} has landed.
