@@ -245,6 +245,45 @@ def test_simulator_insists_on_the_fences(rng):
         no_fence[1, 128](np.zeros(1, np.uint16), np.zeros(128, np.float32))
 
 
+@sim_only
+@pytest.mark.parametrize("fence_copies", [True, False])
+def test_simulator_tracks_cp_async_until_the_writers_fence(rng, fence_copies):
+    """A wgmma may read a cp.async chunk only after the thread that copied it executed fence.proxy.async (before
+    the barrier): the block has fenced once already, so only the per-chunk tracking can object."""
+
+    @kernel
+    def copy_then_wgmma(src, out, fence):
+        smem = cuda.shared.array(0, numba.uint16)
+        tid = cuda.threadIdx.x
+        H.fence_proxy_async()  # an early fence of every thread: nothing copied yet
+        for c in (tid, tid + 128):
+            if c < 144:  # A (64 × 16) and B (8 × 16) halves: 144 chunks of 16 bytes
+                I.cp_async_16(smem, 8 * c, src, 8 * c, 16)
+        I.cp_async_commit()
+        I.cp_async_wait(0)
+        if fence:
+            H.fence_proxy_async()  # my copies → the async proxy
+        cuda.syncthreads()
+        d_a = H.d_make_smem_desc(H.smem_address(smem, 0), 128, 256, 0)
+        d_b = H.d_make_smem_desc(H.smem_address(smem, 64 * 16), 128, 256, 0)
+        acc = H.wgmma_fence_operand(H.wgmma_acc_zeros(8))
+        H.wgmma_fence()
+        acc = H.wgmma_m64n8k16_f16(d_a, d_b, acc, 0)
+        H.wgmma_commit_group()
+        H.wgmma_wait_group(0)
+        acc = H.wgmma_fence_operand(acc)
+        out[tid] = acc[0]
+
+    src = (rng.standard_normal(144 * 8) * 0.5).astype(np.float16).view(np.uint16)
+    out = np.full(128, np.nan, np.float32)
+    if fence_copies:
+        copy_then_wgmma[1, 128, 0, 144 * 16](src, out, True)
+        assert np.isfinite(out).all()
+    else:
+        with pytest.raises(RuntimeError, match="async proxy"):
+            copy_then_wgmma[1, 128, 0, 144 * 16](src, out, False)
+
+
 # ----------------------------------------------------------------------------
 # Offline: NVVM → PTX (.target sm_90a) → nvJitLink (ptxas) for sm_90a
 # ----------------------------------------------------------------------------
