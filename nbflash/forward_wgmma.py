@@ -349,7 +349,7 @@ def forward_wgmma_kernel(cfg: WGConfig):
     steps = fragment_steps(N_TILES, D_TILES, D, cfg.input_kind)
     init_rows, mask_scores, online_softmax, p_frags, write_rows, softmax_rows, rescale_rows = steps
 
-    LOAD_THREADS = PRODUCER_THREADS if WS else THREADS  # ws: only the producer warp copies
+    LOAD_THREADS = PRODUCER_THREADS if WS else THREADS  # ws: only the producer warpgroup copies
     load_q = swizzled_tile_loader(BLOCK_M, LOAD_THREADS, D)
     load_kv = swizzled_tile_loader(BLOCK_N, LOAD_THREADS, D)
 
