@@ -418,6 +418,8 @@ def forward_wgmma_kernel(cfg: WGConfig):
         # This thread's warpgroup (rows 64·wg .. 64·wg + 63 of the tile; in ws, the last one copies), known to
         # the compiler as the same in every lane of a warp.
         wg = warp_uniform(tid // HW.WARPGROUP)
+        # Turn-taking schedules: the named barrier at which I wait for my turn, and the one I hand it on at.
+        mine, other = (TURN_0, TURN_1) if wg == 0 else (TURN_1, TURN_0)
         lane = tid % 32
         g = lane // 4  # this thread's rows g and g + 8 of its warp's 16 ...
         t = lane % 4  # ... and columns 2t, 2t + 1 of every 8-column tile
@@ -480,17 +482,17 @@ def forward_wgmma_kernel(cfg: WGConfig):
                     load_kv(smem, V_OFF + (tile % STAGES) * KV_STRIDE, v, b, h, tile * BLOCK_N, seqlen_k, ptid)
                 I.cp_async_commit()
 
+        if WS and wg == 1 and n_tiles > 0:
+            HW.named_barrier_arrive(TURN_0, PAIR)  # ws: warpgroup 0 takes the first turn
+
         for j in range(n_tiles if WS and not WSO and not producer else 0):
             k_start = j * BLOCK_N
             stage = j % STAGES
-            if j == 0 and wg == 1:
-                HW.named_barrier_arrive(TURN_0, PAIR)  # warpgroup 0 takes the first turn
             # ws, a consumer warpgroup: the producer has released stage j % STAGES (K_j, V_j; Q_i with tile 0).
             HW.named_barrier_sync(FULL + stage, HANDSHAKE)
 
             # S = Q_i K_jᵀ in my turn.  The turns alternate strictly, one product each: S(wg0), S(wg1), PV(wg0),
             # PV(wg1), S(wg0) of the next tile ...; so one warpgroup's softmax runs under the other's product.
-            mine, other = (TURN_0, TURN_1) if wg == 0 else (TURN_1, TURN_0)
             s_in_turn(S, q_desc, k_desc + u64((stage * KV_STRIDE * 2) >> 4), True, mine, True, other)
             if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
                 mask_scores(S, row0, k_start, seqlen_q, seqlen_k, causal, g, t)
@@ -503,12 +505,10 @@ def forward_wgmma_kernel(cfg: WGConfig):
         for j in range(n_tiles if WSO and not producer else 0):
             k_start = j * BLOCK_N
             stage = j % STAGES
-            if j == 0 and wg == 1:
-                HW.named_barrier_arrive(TURN_0, PAIR)  # warpgroup 0 takes the first turn
             HW.named_barrier_sync(FULL + stage, HANDSHAKE)  # K_j, V_j (and Q_i with tile 0) have landed
 
             # In my turn: S_j = Q_i K_jᵀ and O += P_{j-1} V_{j-1}, two groups; the other warpgroup's pair follows.
-            HW.named_barrier_sync(TURN_0 if wg == 0 else TURN_1, PAIR)
+            HW.named_barrier_sync(mine, PAIR)
             s = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
             o_t = HW.wgmma_fence_operand(HW.acc_from_array(acc, D_PAD))
             HW.wgmma_fence()  # the accumulators (rescaled in iteration j - 1) are written before wgmma reads them
@@ -517,7 +517,7 @@ def forward_wgmma_kernel(cfg: WGConfig):
             if j > 0:
                 o_t = pv_product(o_t, P, v_desc + u64((((j - 1) % STAGES) * KV_STRIDE * 2) >> 4))
             HW.wgmma_commit_group()  # possibly empty: "all but the newest group" is then S_j in every iteration
-            HW.named_barrier_arrive(TURN_1 if wg == 0 else TURN_0, PAIR)
+            HW.named_barrier_arrive(other, PAIR)
 
             # S_j is done (P_{j-1} V_{j-1} may still run): mask and softmax under the tensor cores' work.
             s_landed(s, S)
@@ -531,7 +531,6 @@ def forward_wgmma_kernel(cfg: WGConfig):
 
         if WSO and not producer and n_tiles > 0:
             # The last O += P V, in one more turn (which warpgroup 1 hands to nobody); P is packed again from S.
-            mine, other = (TURN_0, TURN_1) if wg == 0 else (TURN_1, TURN_0)
             pv_in_turn(acc, P, S, v_desc + u64((((n_tiles - 1) % STAGES) * KV_STRIDE * 2) >> 4), mine, wg == 0, other)
 
         for j in range(n_tiles if PINGPONG else 0):
@@ -551,7 +550,6 @@ def forward_wgmma_kernel(cfg: WGConfig):
             # Step 2b: S = Q_i K_jᵀ, warpgroup 0's products queued before warpgroup 1's: so warpgroup 0's S is
             # done first, and its softmax runs while the tensor cores work on warpgroup 1's.
             # (Warpgroup 1 waits until warpgroup 0 has issued its S; both then hand the turn to the other.)
-            mine, other = (TURN_0, TURN_1) if wg == 0 else (TURN_1, TURN_0)
             s_in_turn(S, q_desc, k_desc + u64((buf * KV_STRIDE * 2) >> 4), wg == 1, mine, True, other)
 
             # Step 2c: mask and online softmax (the O accumulators are not in flight: rescaled at once).

@@ -552,6 +552,11 @@ def _sim_unfenced_chunks():
     return _sim_block_state("_nbflash_unfenced_chunks", set)
 
 
+def _sim_block_fenced():
+    """Per block: ``[True]`` once any thread executed :func:`fence_proxy_async` (the check for ordinary stores)."""
+    return _sim_block_state("_nbflash_proxy_fenced", lambda: [False])
+
+
 def _sim_observe_landing(dst, start):
     chunk = dst.__array_interface__["data"][0] + start
     _thread_state()["landed"].append(chunk)
@@ -570,14 +575,14 @@ def _sim_fence_proxy_async():
     ordinary stores or ``cp.async`` (and its wait), before the barrier that
     precedes the wgmma reading it — by the thread that wrote, whichever
     threads then issue the wgmma (in a warp-specialised kernel, a producer
-    warp writes and fences, the consumers issue).  Simulator: every
+    warpgroup writes and fences, the consumers issue).  Simulator: every
     ``cp.async`` chunk is tracked from its landing to its writer's fence, and a
     wgmma that reads a chunk still unfenced raises; for ordinary stores
     (untracked), a wgmma issued before any thread of the block fenced raises.
     """
     state = _thread_state()
     landed, state["landed"] = state["landed"], []
-    unfenced, fenced = _sim_unfenced_chunks(), _sim_block_state("_nbflash_proxy_fenced", lambda: [False])
+    unfenced, fenced = _sim_unfenced_chunks(), _sim_block_fenced()
     with _sim_lock:
         unfenced.difference_update(landed)
         fenced[0] = True
@@ -606,7 +611,7 @@ def _sim_issue(n, acc, slot, tile):
     state = _thread_state()
     if not state["fenced"]:
         raise RuntimeError("wgmma issued without a wgmma_fence() since the last wgmma_wait_group")
-    if not _sim_block_state("_nbflash_proxy_fenced", lambda: [False])[0]:
+    if not _sim_block_fenced()[0]:
         raise RuntimeError("wgmma issued before any fence_proxy_async() in the block: shared-memory tiles written "
                            "with ordinary stores are not visible to the tensor cores without it")
     index, wg = _sim_warpgroup()
