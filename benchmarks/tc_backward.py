@@ -14,10 +14,12 @@ Run on a CUDA machine (CuPy and PyTorch needed)::
    warm-up, next to SDPA's flash backward (autograd.grad on a retained graph)
    in the same run.
 
-Tile sweep (``--configs 64x64r,128x128r,64x128``): candidate configurations of
-:mod:`nbflash.backward_tc`, by tag ``<block_m>x<block_n>`` plus ``r`` when each
-warp keeps its K/V fragments in registers (``@64`` after a tag: that head dim
-only); each head dim's current default (``choose_config``) always runs too.
+Tile sweep (``--configs 64x64r,128x128r,64x128,wg128x64``): candidate
+configurations of :mod:`nbflash.backward_tc`, by tag ``<block_m>x<block_n>``
+plus ``r`` when each warp keeps its K/V fragments in registers, and of
+:mod:`nbflash.backward_wgmma` by ``wg<block_m>x<block_n>`` (``@64`` after a
+tag: that head dim only); each head dim's current ``backward_tc`` default
+(``choose_config``) always runs too.
 Each candidate is compiled (registers, local memory), checked against float64
 autograd with the flash-attn rule (bhsd, odd sizes, causal and not; a failing
 candidate is reported and not timed), then timed through
@@ -50,12 +52,13 @@ from benchmarks.forward_sweep import environment  # noqa: E402
 from benchmarks.tc_sweep import as_cupy, cuda_time_ms  # noqa: E402
 from nbflash import api  # noqa: E402
 from nbflash import backward_tc as T  # noqa: E402
+from nbflash import backward_wgmma as W  # noqa: E402
 
 KIND = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEVICE = "cuda"
 TOKENS, WIDTH = 16384, 2048  # timed shapes: batch · N and heads · D
-TAG = re.compile(r"(\d+)x(\d+)(r?)(?:@(\d+))?")
+TAG = re.compile(r"(wg)?(\d+)x(\d+)(r?)(?:@(\d+))?")
 # (seqlen_q, seqlen_k, causal) of the candidates' check: ragged tiles, both causal shapes, whole blocks.
 SWEEP_CASES = [(97, 97, False), (200, 97, True), (97, 200, True), (1025, 1025, True), (2048, 2048, False)]
 
@@ -140,8 +143,15 @@ def check(log, dims, dtypes):
     return failures
 
 
-def tag(cfg: T.TCBackwardConfig) -> str:
-    """``64x128r``: block_m × block_n, ``r`` when the K/V fragments stay in registers."""
+def is_wgmma(cfg) -> bool:
+    return isinstance(cfg, W.WGBackwardConfig)
+
+
+def tag(cfg) -> str:
+    """``64x128r``: block_m × block_n, ``r`` when the K/V fragments stay in registers; ``wg128x64``: the wgmma
+    backward's block_m × block_n."""
+    if is_wgmma(cfg):
+        return f"wg{cfg.block_m}x{cfg.block_n}"
     return f"{cfg.block_m}x{cfg.block_n}{'r' if cfg.kv_in_registers else ''}"
 
 
@@ -154,20 +164,39 @@ def parse_configs(spec: str, dims, kinds) -> list[T.TCBackwardConfig]:
     parsed = []
     for t in tags:
         m = TAG.fullmatch(t)
-        if not m:
-            raise ValueError(f"bad config tag {t!r}: expected <block_m>x<block_n>[r][@<head dim>], e.g. 64x128r")
-        parsed.append((int(m[1]), int(m[2]), m[3] == "r", int(m[4]) if m[4] else None))
+        if not m or (m[1] and m[4]):
+            raise ValueError(
+                f"bad config tag {t!r}: expected [wg]<block_m>x<block_n>[r][@<head dim>] (no r after wg), "
+                "e.g. 64x128r or wg128x64@128"
+            )
+        parsed.append((bool(m[1]), int(m[2]), int(m[3]), m[4] == "r", int(m[5]) if m[5] else None))
     cfgs = []
     for d in dims:
         for kind in kinds:
             default = T.choose_config(d, kind, simulator=False)
             mine = [default]
-            for bm, bn, regs, only in parsed:
-                cfg = T.TCBackwardConfig(bm, bn, d, kind, kv_in_registers=regs, vector_red=default.vector_red)
+            for wg, bm, bn, regs, only in parsed:
+                if wg:
+                    cfg = W.WGBackwardConfig(bm, bn, d, kind)
+                else:
+                    cfg = T.TCBackwardConfig(bm, bn, d, kind, kv_in_registers=regs, vector_red=default.vector_red)
                 if (only is None or only == d) and cfg not in mine:
                     mine.append(cfg)
             cfgs += mine
     return cfgs
+
+
+def cfg_routes(cfg, routes):
+    """The dQ routes a candidate runs: the wgmma backward has the deterministic one only."""
+    return (True,) if is_wgmma(cfg) else routes
+
+
+def launch_cfg(cfg, cdo, cq, ck, cv, o, lse, cdq, cdk, cdv, scale, causal, deterministic, check=True):
+    """One backward by ``cfg`` (either family) on CuPy arrays."""
+    if is_wgmma(cfg):
+        W.launch_backward_wgmma(cfg, cdo, cq, ck, cv, o, lse, cdq, cdk, cdv, scale, causal, check=check)
+    else:
+        T.launch_backward_tc(cfg, cdo, cq, ck, cv, o, lse, cdq, cdk, cdv, scale, causal, deterministic, check=check)
 
 
 def run_cfg(cfg, q, k, v, do, o, lse, causal, deterministic, grads=None, check=True):
@@ -179,7 +208,7 @@ def run_cfg(cfg, q, k, v, do, o, lse, causal, deterministic, grads=None, check=T
         grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
     cq, ck, cv, cdo, cdq, cdk, cdv = (as_cupy(x) for x in (q, k, v, do, *grads))
     scale = 1 / math.sqrt(q.shape[-1])
-    T.launch_backward_tc(cfg, cdo, cq, ck, cv, o, lse, cdq, cdk, cdv, scale, causal, deterministic, check=check)
+    launch_cfg(cfg, cdo, cq, ck, cv, o, lse, cdq, cdk, cdv, scale, causal, deterministic, check=check)
     return grads
 
 
@@ -199,13 +228,19 @@ def compile_configs(log, cfgs, routes):
         o, lse = api.forward_arrays(as_cupy(x), as_cupy(x), as_cupy(x), bf16_bits=bf16)
         t0 = time.perf_counter()
         try:
-            for det in routes:
+            for det in cfg_routes(cfg, routes):
                 run_cfg(cfg, x, x, x, x, o, lse, False, det)
             torch.cuda.synchronize()
         except Exception as e:  # a configuration that cannot compile or launch is reported, not fatal
             log(f"{tag(cfg)} D{cfg.head_dim} {cfg.input_kind}: {type(e).__name__}: {e}")
             continue
         info = {"compile_s": round(time.perf_counter() - t0, 1)}
+        if is_wgmma(cfg):
+            for name, kern in (("dkdv", W.dkdv_wgmma_kernel(cfg)), ("dq", W.dq_wgmma_kernel(cfg))):
+                info[name] = {**kernel_info(kern), "dynamic_smem": W.shared_bytes(cfg)}
+            log(f"compiled {tag(cfg)} D{cfg.head_dim} {cfg.input_kind}: {json.dumps(info)}")
+            compiled.append((cfg, info))
+            continue
         for name, det in (("dkdv", True), ("dkdv_atomic", False)):
             if det in routes:
                 info[name] = {**kernel_info(T.dkdv_tc_kernel(cfg, not det)), "dynamic_smem": T.shared_bytes(cfg, name)}
@@ -235,7 +270,7 @@ def check_configs(log, cfgs, routes):
                 *(as_cupy(x) for x in (q, k, v)), causal=causal, bf16_bits=dtype == torch.bfloat16
             )
             for cfg in group:
-                for det in routes:
+                for det in cfg_routes(cfg, routes):
                     if cfg in failed:
                         continue
                     try:
@@ -298,10 +333,10 @@ def sweep_row(cfgs, dtype, d, causal, n, routes, reps):
     cq, ck, cv, cdo, cdq, cdk, cdv = (as_cupy(x) for x in (q, k, v, do, *grads))
     scale = 1 / math.sqrt(d)
     for cfg in cfgs:
-        for det in routes:
+        for det in cfg_routes(cfg, routes):
 
             def call(cfg=cfg, det=det):
-                T.launch_backward_tc(cfg, cdo, cq, ck, cv, o_, lse, cdq, cdk, cdv, scale, causal, det, check=False)
+                launch_cfg(cfg, cdo, cq, ck, cv, o_, lse, cdq, cdk, cdv, scale, causal, det, check=False)
 
             name = f"nb-{tag(cfg)}{'' if det else '-atomic'}"
             try:

@@ -27,29 +27,39 @@ With ``P_ij = exp(S_ij·scale − lse_i)`` recomputed tile by tile::
    batch).  Warpgroup w owns keys ``64w .. 64w + 63`` of the tile, so every
    product comes out transposed, keys as the accumulator's rows.  K_j and V_j
    are copied once; Q_i and dO_i stream past, two buffers each, one barrier
-   per query tile (the next tile's copy starts right after it).  For each query
+   per query tile (the next tile's copy starts right after it), and so do the
+   tile's lse2 and D, staged in shared memory one tile ahead.  For each query
    tile i that sees some key of the tile (:func:`~nbflash.masking.query_range`):
 
-   a. ``Sᵀ = K_j Q_iᵀ`` and ``dPᵀ = V_j dO_iᵀ``: shared × shared, K-major, one
-      commit, one wait;
-   b. ``Pᵀ = exp2(Sᵀ · scale · log2 e − lse2_col)`` (a thread's values sit in
-      columns 8n + 2t + c: lse2 and D are per *column*), invisible pairs 0;
-      ``dSᵀ = Pᵀ ∘ (dPᵀ − D_col)``;
-   c. ``dV_j += Pᵀ dO_i`` and ``dK_j += dSᵀ Q_i``: registers × shared, dO_i
-      and Q_i read N-major; one commit, one wait.
+   a. ``Sᵀ = K_j Q_iᵀ`` and ``dPᵀ = V_j dO_iᵀ``: shared × shared, K-major,
+      issued as two commit groups; the next tile's lse2, D are loaded meanwhile;
+   b. once Sᵀ is done (dPᵀ still running): ``Pᵀ = exp2(Sᵀ · scale · log2 e −
+      lse2_col)`` (a thread's values sit in columns 8n + 2t + c: lse2 and D are
+      per *column*), invisible pairs 0;
+   c. ``dV_j += Pᵀ dO_i`` issued (registers × shared, dO_i read N-major);
+   d. once dPᵀ is done (dV still running): ``dSᵀ = Pᵀ ∘ (dPᵀ − D_col)``, then
+      ``dK_j += dSᵀ Q_i`` issued; both waited for before the next tile's
+      barrier, which refills Q_i, dO_i.
+
+   Timeline of one warpgroup per query tile (``|`` a wait)::
+
+       tensor cores:  [  Sᵀ  ][  dPᵀ  ]    [  dV  ]    [  dK  ]
+       registers:             | Pᵀ     |dSᵀ        |        | next tile
 
    Finally ``dK_j · scale`` and ``dV_j`` are written once.
 
 2. **dQ** (grid: query tiles of ``BLOCK_M`` rows).  Q_i and dO_i are copied
    once; K_j, V_j stream past, two buffers each.  Per key tile: ``S = Q_i
-   K_jᵀ`` and ``dP = dO_i V_jᵀ`` (shared × shared), ``P = exp2(S · scale ·
-   log2 e − lse2_row)`` (masked through the forward's own
-   :func:`~nbflash.forward_tc.fragment_steps`), ``dS = P ∘ (dP − D_row)``,
-   ``dQ_i += dS K_j`` (registers × shared, K_j N-major).  ``dQ_i · scale``
-   written once.  No atomics: the same bits on every run.
+   K_jᵀ`` and ``dP = dO_i V_jᵀ`` (shared × shared, two groups), ``P = exp2(S
+   · scale · log2 e − lse2_row)`` (masked through the forward's own
+   :func:`~nbflash.forward_tc.fragment_steps`) while dP runs, ``dS = P ∘ (dP −
+   D_row)``, ``dQ_i += dS K_j`` (registers × shared, K_j N-major).  ``dQ_i ·
+   scale`` written once.  No atomics: the same bits on every run.
 
-Every wgmma group is waited for before its warpgroup goes on, so the barrier at
-the top of a tile finds every warpgroup done with the buffers it refills.
+Every wgmma group is waited for before its warpgroup reaches the next tile's
+barrier, so that barrier finds every warpgroup done with the buffers it refills.
+The warpgroup index is made warp-uniform to ptxas
+(:func:`~nbflash._device.warp_uniform`), which otherwise serialises the wgmmas.
 
 Requires sm_90a.  Constraints (:func:`can_implement`): D a multiple of 8 up
 to 128 (padded to whole 64-column panels in shared memory); rows whole,
@@ -76,7 +86,7 @@ import numpy as np
 from . import backward as bw
 from . import hopper as HW
 from . import intrinsics as I
-from ._device import SIMULATOR, cuda, kernel, launch, max_shared_per_block, numba
+from ._device import SIMULATOR, cuda, device_function, kernel, launch, max_shared_per_block, numba, warp_uniform
 from ._tiles import LOG2E
 from ._validate import array_module, tile_rows_problem
 from .backward_tc import _make_pair_storer
@@ -132,14 +142,16 @@ class WGBackwardConfig:
         return -(-self.head_dim // PANEL) * PANEL
 
 
-def shared_offsets(cfg: WGBackwardConfig) -> tuple[int, int, int, int, int]:
-    """Element offsets of the two once-copied tiles (the first at 0: K, V or Q, dO), of the two streamed
-    tiles' double buffers, and the end; both kernels share the layout."""
+def shared_offsets(cfg: WGBackwardConfig) -> tuple[int, int, int, int, int, int]:
+    """16-bit element offsets of the two once-copied tiles (the first at 0: K, V or Q, dO), of the two
+    streamed tiles' double buffers, of the streamed rows' lse2 and D (float32, two buffers of
+    ``[lse2 × BLOCK_N, D × BLOCK_N]``; the dK/dV kernel's), and the end; both kernels share the layout."""
     own = cfg.block_m * cfg.d_pad
     stream = cfg.block_n * cfg.d_pad
     a1, s0 = own, 2 * own
     s1 = s0 + 2 * stream
-    return 0, a1, s0, s1, s1 + 2 * stream
+    cols = s1 + 2 * stream
+    return 0, a1, s0, s1, cols, cols + 2 * 2 * cfg.block_n * 2
 
 
 @functools.cache
@@ -153,7 +165,8 @@ class _Consts:
     def __init__(self, cfg: WGBackwardConfig):
         self.BLOCK_M, self.BLOCK_N, self.D, self.D_PAD = cfg.block_m, cfg.block_n, cfg.head_dim, cfg.d_pad
         self.THREADS = cfg.threads
-        _, self.A1, self.S0, self.S1, _ = shared_offsets(cfg)
+        _, self.A1, self.S0, self.S1, cols, _ = shared_offsets(cfg)
+        self.COLS_F = cols // 2  # float32 offset of the lse2 / D buffers
         self.STRIDE = cfg.block_n * cfg.d_pad  # elements from one streamed buffer to the other
         self.N_TILES = cfg.block_n // 8  # 8-column tiles of the shared × shared products
         self.D_TILES = cfg.d_pad // 8  # 8-column tiles of the gradients
@@ -185,6 +198,19 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig):
     load_own = swizzled_tile_loader(BLOCK_M, THREADS, D)
     load_stream = swizzled_tile_loader(BLOCK_N, THREADS, D)
 
+    COLS_F, COL_BUF = c.COLS_F, 2 * BLOCK_N  # lse2 / D buffers: float32 offset, floats per buffer
+
+    @device_function
+    def stage_columns(smem_f, base, lse2, delta, b, h, start, seqlen_q, tid):
+        """lse2 and D of query rows ``start .. start + BLOCK_N - 1`` into ``smem_f[base ...]`` (plain loads
+        and stores; +inf and 0 past the end, so those columns get P = 0 and dS = 0)."""
+        for idx in range(tid, 2 * BLOCK_N, THREADS):
+            row = start + idx % BLOCK_N
+            if idx < BLOCK_N:
+                smem_f[base + idx] = lse2[b, h, row] if row < seqlen_q else INF
+            else:
+                smem_f[base + idx] = delta[b, h, row] if row < seqlen_q else ZERO
+
     @kernel(fastmath=True)
     def flash_backward_dkdv_wgmma(q, k, v, do, lse2, delta, dk, dv, qk_scale_log2, scale, causal):
         """One block: dK_j and dV_j for BLOCK_M keys of one (batch, head)."""
@@ -194,12 +220,14 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig):
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
         tid = numba.int64(u32(cuda.threadIdx.x))
-        wg = tid // HW.WARPGROUP  # this thread's warpgroup: keys 64·wg .. 64·wg + 63 of the tile
+        wg = warp_uniform(tid // HW.WARPGROUP)  # keys 64·wg .. 64·wg + 63 of the tile (warp-uniform to ptxas)
         lane = tid % 32
         g = lane // 4  # this thread's keys g and g + 8 of its warp's 16 ...
         t = lane % 4  # ... and columns (queries) 2t, 2t + 1 of every 8-column tile
         key0 = k_start + 16 * (tid // 32)  # the warp's first key
+        # One block of dynamic shared memory, seen two ways: 16-bit tiles, float32 lse2 / D.
         smem = cuda.shared.array(0, numba.uint16, alignment=SMEM_ALIGN)
+        smem_f = cuda.shared.array(0, numba.float32, alignment=SMEM_ALIGN)
 
         S = cuda.local.array((N_TILES, 4), numba.float32)  # Sᵀ, then Pᵀ
         dP = cuda.local.array((N_TILES, 4), numba.float32)  # dPᵀ, then dSᵀ
@@ -220,7 +248,7 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig):
         q_desc_n = HW.d_make_smem_desc(HW.smem_address(smem, Q_OFF), STREAM_PANEL, SBO, SW128)  # N-major (dSᵀ Q)
         do_desc_n = HW.d_make_smem_desc(HW.smem_address(smem, DO_OFF), STREAM_PANEL, SBO, SW128)
 
-        # Step 1: K_j, V_j and the first Q_i, dO_i, one cp.async group.
+        # Step 1: K_j, V_j and the first Q_i, dO_i, one cp.async group; the first lse2, D to shared.
         q_begin, q_end = d_query_range(k_start, BLOCK_M, seqlen_q, seqlen_k, causal)
         i_first = q_begin // BLOCK_N
         n_tiles = (q_end + BLOCK_N - 1) // BLOCK_N - i_first
@@ -229,6 +257,7 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig):
             load_own(smem, V_OFF, v, b, h, k_start, seqlen_k, tid)
             load_stream(smem, Q_OFF, q, b, h, i_first * BLOCK_N, seqlen_q, tid)
             load_stream(smem, DO_OFF, do, b, h, i_first * BLOCK_N, seqlen_q, tid)
+            stage_columns(smem_f, COLS_F, lse2, delta, b, h, i_first * BLOCK_N, seqlen_q, tid)
         I.cp_async_commit()
 
         for it in range(n_tiles):
@@ -237,55 +266,72 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig):
             # Step 1 (each tile): Q_i, dO_i have landed (the only group in flight); start Q_{i+1}, dO_{i+1}.
             I.cp_async_wait(0)
             HW.fence_proxy_async()  # my cp.async writes → visible to the tensor cores (the async proxy)
-            # Everyone's copies are visible; and every warpgroup has finished tile i - 1, whose buffers are
-            # refilled now.
+            # Everyone's copies and lse2 / D stores are visible; and every warpgroup has finished tile
+            # i - 1, whose buffers are refilled now.
             cuda.syncthreads()
             if it + 1 < n_tiles:
                 load_stream(smem, Q_OFF + (1 - buf) * STRIDE, q, b, h, q_start + BLOCK_N, seqlen_q, tid)
                 load_stream(smem, DO_OFF + (1 - buf) * STRIDE, do, b, h, q_start + BLOCK_N, seqlen_q, tid)
                 I.cp_async_commit()
 
-            # Step 1a: Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ, the warpgroup's 64 keys × BLOCK_N queries.
+            # Step 1a: Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ, the warpgroup's 64 keys × BLOCK_N queries: two
+            # groups, so that Pᵀ is computed while dPᵀ is still on the tensor cores.
             buf_off = u64((buf * STRIDE * 2) >> 4)  # descriptor address field: bytes >> 4
             st = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
             dpt = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
             HW.wgmma_fence()
             st = ss_prod(st, k_desc, q_desc + buf_off)
+            HW.wgmma_commit_group()
             dpt = ss_prod(dpt, v_desc, do_desc + buf_off)
             HW.wgmma_commit_group()
-            HW.wgmma_wait_group(0)
+            # lse2, D of tile i + 1 into the other buffer (read by nobody since the barrier): the loads'
+            # latency hides under the products.
+            if it + 1 < n_tiles:
+                stage_columns(smem_f, COLS_F + (1 - buf) * COL_BUF, lse2, delta, b, h, q_start + BLOCK_N,
+                              seqlen_q, tid)
+            HW.wgmma_wait_group(1)  # Sᵀ is done (groups complete in order); dPᵀ may still run
             st = HW.wgmma_fence_operand(st)
-            dpt = HW.wgmma_fence_operand(dpt)
             HW.acc_to_array(st, S)
-            HW.acc_to_array(dpt, dP)
 
-            # Step 1b: Pᵀ = exp2(Sᵀ · scale · log2 e − lse2_col), invisible pairs 0; dSᵀ = Pᵀ ∘ (dPᵀ − D_col).
+            # Step 1b: Pᵀ = exp2(Sᵀ · scale · log2 e − lse2_col), invisible pairs 0.
             # Value i of tile n: key g + 8(i >> 1), query 8n + 2t + (i & 1).
+            cols = COLS_F + buf * COL_BUF
             masked = d_tile_needs_mask(q_start, k_start, BLOCK_N, BLOCK_M, seqlen_q, seqlen_k, causal)
             for n in range(N_TILES):
                 for cc in range(2):
-                    col = q_start + 8 * n + 2 * t + cc
-                    inside = col < seqlen_q
-                    lse2_c = lse2[b, h, col] if inside else INF
-                    delta_c = delta[b, h, col] if inside else ZERO
-                    key_end = d_row_key_end(col, seqlen_q, seqlen_k, causal) if masked else seqlen_k
+                    lse2_c = smem_f[cols + 8 * n + 2 * t + cc]
+                    key_end = d_row_key_end(q_start + 8 * n + 2 * t + cc, seqlen_q, seqlen_k, causal) \
+                        if masked else seqlen_k
                     for r in range(2):
                         p = I.ex2_approx(S[n, 2 * r + cc] * scale_log2 - lse2_c)
                         if masked and key0 + g + 8 * r >= key_end:  # past a ragged end, or above the diagonal
                             p = ZERO
                         S[n, 2 * r + cc] = p
-                        dP[n, 2 * r + cc] = p * (dP[n, 2 * r + cc] - delta_c)
 
-            # Step 1c: dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i; Pᵀ and dSᵀ packed from the accumulators.
+            # Step 1c: dV_j += Pᵀ dO_i issued (Pᵀ packed from the accumulators, dO_i read N-major) ...
             for kk in range(N_STEPS):
                 p_frags(PA, S, kk, kk)
-                p_frags(SA, dP, kk, kk)
             dv_t = HW.wgmma_fence_operand(HW.acc_from_array(dV, D_PAD))
-            dk_t = HW.wgmma_fence_operand(HW.acc_from_array(dK, D_PAD))
             HW.wgmma_fence()
             dv_t = rs_prod(dv_t, PA, do_desc_n + buf_off)
+            HW.wgmma_commit_group()
+            HW.wgmma_wait_group(1)  # ... dPᵀ is done; the dV product may still run
+            dpt = HW.wgmma_fence_operand(dpt)
+            HW.acc_to_array(dpt, dP)
+
+            # Step 1d: dSᵀ = Pᵀ ∘ (dPᵀ − D_col), and dK_j += dSᵀ Q_i.
+            for n in range(N_TILES):
+                for cc in range(2):
+                    delta_c = smem_f[cols + BLOCK_N + 8 * n + 2 * t + cc]
+                    for r in range(2):
+                        dP[n, 2 * r + cc] = S[n, 2 * r + cc] * (dP[n, 2 * r + cc] - delta_c)
+            for kk in range(N_STEPS):
+                p_frags(SA, dP, kk, kk)
+            dk_t = HW.wgmma_fence_operand(HW.acc_from_array(dK, D_PAD))
+            HW.wgmma_fence()
             dk_t = rs_prod(dk_t, SA, q_desc_n + buf_off)
             HW.wgmma_commit_group()
+            # Both products read Q_i, dO_i, refilled after the next barrier: wait for them here.
             HW.wgmma_wait_group(0)
             dv_t = HW.wgmma_fence_operand(dv_t)
             dk_t = HW.wgmma_fence_operand(dk_t)
@@ -334,7 +380,7 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
         tid = numba.int64(u32(cuda.threadIdx.x))
-        wg = tid // HW.WARPGROUP
+        wg = warp_uniform(tid // HW.WARPGROUP)  # queries 64·wg .. 64·wg + 63 of the tile (warp-uniform to ptxas)
         lane = tid % 32
         g = lane // 4
         t = lane % 4
@@ -385,28 +431,36 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
                 load_stream(smem, V_OFF + (1 - buf) * STRIDE, v, b, h, k_start + BLOCK_N, seqlen_k, tid)
                 I.cp_async_commit()
 
-            # S = Q_i K_jᵀ and dP = dO_i V_jᵀ (64 queries × BLOCK_N keys per warpgroup).
+            # S = Q_i K_jᵀ and dP = dO_i V_jᵀ (64 queries × BLOCK_N keys per warpgroup): two groups, so
+            # that P is computed while dP is still on the tensor cores.
             buf_off = u64((buf * STRIDE * 2) >> 4)
             s = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
             dp = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
             HW.wgmma_fence()
             s = ss_prod(s, q_desc, k_desc + buf_off)
+            HW.wgmma_commit_group()
             dp = ss_prod(dp, do_desc, v_desc + buf_off)
             HW.wgmma_commit_group()
-            HW.wgmma_wait_group(0)
+            HW.wgmma_wait_group(1)  # S is done (groups complete in order); dP may still run
             s = HW.wgmma_fence_operand(s)
-            dp = HW.wgmma_fence_operand(dp)
             HW.acc_to_array(s, S)
-            HW.acc_to_array(dp, dP)
 
-            # P = exp2(S · scale · log2 e − lse2_row), invisible keys 0 (S = -inf first); dS = P ∘ (dP − D_row).
+            # P = exp2(S · scale · log2 e − lse2_row), invisible keys 0 (S = -inf first).
             if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
                 mask_scores(S, row0, k_start, seqlen_q, seqlen_k, causal, g, t)
             for r in range(2):
                 for n in range(N_TILES):
                     for cc in range(2):
-                        p = I.ex2_approx(S[n, 2 * r + cc] * scale_log2 - lse2_r[r])
-                        dP[n, 2 * r + cc] = p * (dP[n, 2 * r + cc] - delta_r[r])
+                        S[n, 2 * r + cc] = I.ex2_approx(S[n, 2 * r + cc] * scale_log2 - lse2_r[r])
+
+            # dS = P ∘ (dP − D_row).
+            HW.wgmma_wait_group(0)
+            dp = HW.wgmma_fence_operand(dp)
+            HW.acc_to_array(dp, dP)
+            for r in range(2):
+                for n in range(N_TILES):
+                    for cc in range(2):
+                        dP[n, 2 * r + cc] = S[n, 2 * r + cc] * (dP[n, 2 * r + cc] - delta_r[r])
 
             # dQ_i += dS K_j: dS packed from the accumulators, K_j read N-major.
             for kk in range(N_STEPS):
