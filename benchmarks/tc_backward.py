@@ -11,8 +11,8 @@ Run on a CUDA machine (CuPy and PyTorch needed)::
    (the flash-attn rule).  Outputs are fresh; inputs random.
 2. Timing at batch·N = 16k, heads·D = 2048: the backward alone (TFLOP/s with
    2.5× the forward's FLOPs, halved for causal), medians of CUDA events after
-   warm-up, next to SDPA's flash backward (autograd.grad on a retained graph)
-   in the same run.
+   warm-up, next to SDPA's flash and cuDNN backwards (autograd.grad on a
+   retained graph) in the same run.
 
 Tile sweep (``--configs 64x64r,128x128r,64x128,wg128x64``): candidate
 configurations of :mod:`nbflash.backward_tc`, by tag ``<block_m>x<block_n>``
@@ -456,6 +456,15 @@ def main():
                         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
                         ms = cuda_time_ms(lambda i: torch.autograd.grad(o, (qs, ks, vs), do, retain_graph=True), 1)
                     row["sdpa-flash"] = fl / ms / 1e9
+                    try:  # cuDNN's backward (Hopper's fastest), where this PyTorch build has it
+                        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
+                            ms = cuda_time_ms(
+                                lambda i: torch.autograd.grad(o, (qs, ks, vs), do, retain_graph=True), 1
+                            )
+                        row["sdpa-cudnn"] = fl / ms / 1e9
+                    except RuntimeError as e:
+                        row["sdpa-cudnn"] = f"{type(e).__name__}: {str(e)[:80]}"
                     bf16 = dtype == torch.bfloat16
                     cq, ck, cv, cdo = (as_cupy(x) for x in (q, k, v, do))
                     o_, lse = api.forward_arrays(cq, ck, cv, causal=causal, bf16_bits=bf16)
