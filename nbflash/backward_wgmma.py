@@ -41,10 +41,11 @@ With ``P_ij = exp(S_ij·scale − lse_i)`` recomputed tile by tile::
       ``dK_j += dSᵀ Q_i`` issued; both waited for before the next tile's
       barrier, which refills Q_i, dO_i.
 
-   Timeline of one warpgroup per query tile (``|`` a wait)::
+   One warpgroup's query tile (``|`` a wait; the other warpgroup, and with
+   one warpgroup per block the other blocks on the SM, fill the gaps)::
 
-       tensor cores:  [  Sᵀ  ][  dPᵀ  ]    [  dV  ]    [  dK  ]
-       registers:             | Pᵀ     |dSᵀ        |        | next tile
+       tensor cores:   [ Sᵀ ][ dPᵀ ]        [ dV ]        [ dK ]
+       its threads:    lse2,D | Pᵀ ......  | dSᵀ ...... |        | barrier
 
    Finally ``dK_j · scale`` and ``dV_j`` are written once.
 
@@ -65,14 +66,15 @@ Requires sm_90a.  Constraints (:func:`can_implement`): D a multiple of 8 up
 to 128 (padded to whole 64-column panels in shared memory); rows whole,
 16-byte-aligned chunks.
 
-Status (H200, ``tc-backward-NVIDIA-H200-2026-11-30-wgmma.json``, 93bcfa8,
-bf16, 128 × 64 tiles, not swept): correct against float64 autograd at every
-checked size; D = 128 198 / 204 TFLOP/s at N = 16k (non-causal / causal),
-level with the ``mma.sync`` backward (194 / 196) and 0.66–0.68× SDPA flash;
-D = 64 only 99–132, below the ``mma.sync`` backward (122–198).  So
-``backend="auto"`` keeps the ``mma.sync`` backward; this one runs when asked
-for (``backend="wgmma"``).  Next: pipelining as in the forward, the tile
-sweep, and one kernel with dQ by atomics (FlashAttention-3's layout).
+Status (H200, ``tc-backward-NVIDIA-H200-2026-11-30-wgmma-defaults.json``,
+631e5e7, fp16/bf16, N = 1k … 16k, causal and not): D = 128 229 / 302 / 321
+TFLOP/s at N = 1k / 4k / 16k (bf16, non-causal), 1.03–1.25× SDPA's
+FlashAttention-2 backward over the grid; D = 64 0.91–1.13×; 0.58–0.70× cuDNN.
+``backend="auto"`` runs it on compute capability 9.x.  The first version (every
+product pair waited for at once, lse2 and D read from global memory in the
+softmax) reached 99–204.  Next: keep the last gradient product in flight
+across the next tile's barrier (three Q/dO buffers), a producer warpgroup as
+in the forward, and one kernel with dQ by atomics (FlashAttention-3's layout).
 """
 
 from __future__ import annotations
