@@ -17,7 +17,9 @@ Run on a CUDA machine (CuPy and PyTorch needed)::
 Tile sweep (``--configs 64x64r,128x128r,64x128,wg128x64``): candidate
 configurations of :mod:`nbflash.backward_tc`, by tag ``<block_m>x<block_n>``
 plus ``r`` when each warp keeps its K/V fragments in registers, and of
-:mod:`nbflash.backward_wgmma` by ``wg<block_m>x<block_n>`` (``@64`` after a
+:mod:`nbflash.backward_wgmma` by ``wg<block_m>x<block_n>`` (``s3``: three
+``s23``: two buffers per streamed tile in the dK/dV kernel, three in the dQ
+kernel) (``@64`` after a
 tag: that head dim only); each head dim's current ``backward_tc`` default
 (``choose_config``) always runs too.
 Each candidate is compiled (registers, local memory), checked against float64
@@ -58,7 +60,7 @@ KIND = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEVICE = "cuda"
 TOKENS, WIDTH = 16384, 2048  # timed shapes: batch · N and heads · D
-TAG = re.compile(r"(wg)?(\d+)x(\d+)(r?)(?:@(\d+))?")
+TAG = re.compile(r"(wg)?(\d+)x(\d+)(r?)(?:s(\d)(\d))?(?:@(\d+))?")
 # (seqlen_q, seqlen_k, causal) of the candidates' check: ragged tiles, both causal shapes, whole blocks.
 SWEEP_CASES = [(97, 97, False), (200, 97, True), (97, 200, True), (1025, 1025, True), (2048, 2048, False)]
 
@@ -151,7 +153,8 @@ def tag(cfg) -> str:
     """``64x128r``: block_m × block_n, ``r`` when the K/V fragments stay in registers; ``wg128x64``: the wgmma
     backward's block_m × block_n."""
     if is_wgmma(cfg):
-        return f"wg{cfg.block_m}x{cfg.block_n}"
+        stages = "" if cfg.stages == 2 else f"s{cfg.dkdv_stages}{cfg.dq_stages}"
+        return f"wg{cfg.block_m}x{cfg.block_n}{stages}"
     return f"{cfg.block_m}x{cfg.block_n}{'r' if cfg.kv_in_registers else ''}"
 
 
@@ -164,20 +167,21 @@ def parse_configs(spec: str, dims, kinds) -> list[T.TCBackwardConfig]:
     parsed = []
     for t in tags:
         m = TAG.fullmatch(t)
-        if not m or (m[1] and m[4]):
+        if not m or (m[1] and m[4]) or (m[5] and not m[1]):
             raise ValueError(
-                f"bad config tag {t!r}: expected [wg]<block_m>x<block_n>[r][@<head dim>] (no r after wg), "
-                "e.g. 64x128r or wg128x64@128"
+                f"bad config tag {t!r}: expected <block_m>x<block_n>[r][@<head dim>] or "
+                "wg<block_m>x<block_n>[s<dK/dV stages><dQ stages>][@<head dim>], e.g. 64x128r or wg128x64s23@128"
             )
-        parsed.append((bool(m[1]), int(m[2]), int(m[3]), m[4] == "r", int(m[5]) if m[5] else None))
+        stages = (int(m[5]), int(m[6])) if m[5] else (2, 2)
+        parsed.append((bool(m[1]), int(m[2]), int(m[3]), m[4] == "r", stages, int(m[7]) if m[7] else None))
     cfgs = []
     for d in dims:
         for kind in kinds:
             default = T.choose_config(d, kind, simulator=False)
             mine = [default]
-            for wg, bm, bn, regs, only in parsed:
+            for wg, bm, bn, regs, stages, only in parsed:
                 if wg:
-                    cfg = W.WGBackwardConfig(bm, bn, d, kind)
+                    cfg = W.WGBackwardConfig(bm, bn, d, kind, dkdv_stages=stages[0], dq_stages=stages[1])
                 else:
                     cfg = T.TCBackwardConfig(bm, bn, d, kind, kv_in_registers=regs, vector_red=default.vector_red)
                 if (only is None or only == d) and cfg not in mine:

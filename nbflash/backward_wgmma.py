@@ -124,6 +124,11 @@ class WGBackwardConfig:
     block_n: int  # a wgmma N: 16 ... 128
     head_dim: int  # a multiple of 8 up to 128
     input_kind: str  # "float16" or "bfloat16"
+    #: buffers of each streamed tile, per kernel: 2 (each tile's gradient products waited for before the
+    #: next tile's barrier) or 3 (left in flight across it: the barrier refills the buffer read two tiles
+    #: ago; the accumulators then cross tiles, which costs registers)
+    dkdv_stages: int = 2
+    dq_stages: int = 2
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -134,6 +139,14 @@ class WGBackwardConfig:
             raise ValueError(f"head_dim must be a multiple of 8 up to 128 for the wgmma backward, got {self.head_dim}")
         if self.input_kind not in ("float16", "bfloat16"):
             raise ValueError(f"input_kind must be 'float16' or 'bfloat16', got {self.input_kind!r}")
+        for name in ("dkdv_stages", "dq_stages"):
+            if getattr(self, name) not in (2, 3):
+                raise ValueError(f"{name} must be 2 or 3, got {getattr(self, name)}")
+
+    @property
+    def stages(self) -> int:
+        """Buffers per streamed tile in the shared layout (both kernels use one layout)."""
+        return max(self.dkdv_stages, self.dq_stages)
 
     @property
     def threads(self) -> int:
@@ -147,13 +160,13 @@ class WGBackwardConfig:
 
 def shared_offsets(cfg: WGBackwardConfig) -> tuple[int, int, int, int, int, int]:
     """16-bit element offsets of the two once-copied tiles (the first at 0: K, V or Q, dO), of the two
-    streamed tiles' double buffers, of the streamed rows' lse2 and D (float32, two buffers of
+    streamed tiles' buffers (``stages`` each), of the streamed rows' lse2 and D (float32, two buffers of
     ``[lse2 × BLOCK_N, D × BLOCK_N]``; the dK/dV kernel's), and the end; both kernels share the layout."""
     own = cfg.block_m * cfg.d_pad
     stream = cfg.block_n * cfg.d_pad
     a1, s0 = own, 2 * own
-    s1 = s0 + 2 * stream
-    cols = s1 + 2 * stream
+    s1 = s0 + cfg.stages * stream
+    cols = s1 + cfg.stages * stream
     return 0, a1, s0, s1, cols, cols + 2 * 2 * cfg.block_n * 2
 
 
@@ -167,7 +180,7 @@ class _Consts:
 
     def __init__(self, cfg: WGBackwardConfig):
         self.BLOCK_M, self.BLOCK_N, self.D, self.D_PAD = cfg.block_m, cfg.block_n, cfg.head_dim, cfg.d_pad
-        self.THREADS = cfg.threads
+        self.THREADS, self.DKDV_STAGES, self.DQ_STAGES = cfg.threads, cfg.dkdv_stages, cfg.dq_stages
         _, self.A1, self.S0, self.S1, cols, _ = shared_offsets(cfg)
         self.COLS_F = cols // 2  # float32 offset of the lse2 / D buffers
         self.STRIDE = cfg.block_n * cfg.d_pad  # elements from one streamed buffer to the other
@@ -188,7 +201,7 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig):
     """The compiled dK/dV kernel (step 1) for one configuration (cached)."""
     c = _Consts(cfg)
     BLOCK_M, BLOCK_N, D, D_PAD, THREADS = c.BLOCK_M, c.BLOCK_N, c.D, c.D_PAD, c.THREADS
-    V_OFF, Q_OFF, DO_OFF, STRIDE = c.A1, c.S0, c.S1, c.STRIDE
+    V_OFF, Q_OFF, DO_OFF, STRIDE, STAGES = c.A1, c.S0, c.S1, c.STRIDE, c.DKDV_STAGES
     N_TILES, D_TILES, N_STEPS = c.N_TILES, c.D_TILES, c.N_STEPS
     STREAM_PANEL, SMEM_ALIGN = c.STREAM_PANEL, c.SMEM_ALIGN
     ss_prod, rs_prod = c.ss, c.rs
@@ -242,6 +255,10 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig):
             for i in range(4):
                 dK[n, i] = ZERO
                 dV[n, i] = ZERO
+        # 2 stages: dK_j, dV_j live in the arrays between tiles.  3 stages: the products are still running
+        # when a tile ends, so the accumulators themselves cross into the next tile (more registers).
+        dv_t = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(D_PAD))
+        dk_t = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(D_PAD))
         scale_log2 = numba.float32(qk_scale_log2)
 
         k_desc = HW.d_make_smem_desc(HW.smem_address(smem, 64 * PANEL * wg), 16, SBO, SW128)
@@ -265,16 +282,17 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig):
 
         for it in range(n_tiles):
             q_start = (i_first + it) * BLOCK_N
-            buf = it % 2
+            buf, nxt, lbuf = it % STAGES, (it + 1) % STAGES, it % 2
             # Step 1 (each tile): Q_i, dO_i have landed (the only group in flight); start Q_{i+1}, dO_{i+1}.
             I.cp_async_wait(0)
             HW.fence_proxy_async()  # my cp.async writes → visible to the tensor cores (the async proxy)
-            # Everyone's copies and lse2 / D stores are visible; and every warpgroup has finished tile
-            # i - 1, whose buffers are refilled now.
+            # Everyone's copies and lse2 / D stores are visible; every warpgroup is done with the buffers
+            # refilled now: with 2 stages it waited for tile i - 1's products; with 3 the buffer is tile
+            # i - 2's, whose products finished before tile i - 1's Sᵀ (step 1b's wait).
             cuda.syncthreads()
             if it + 1 < n_tiles:
-                load_stream(smem, Q_OFF + (1 - buf) * STRIDE, q, b, h, q_start + BLOCK_N, seqlen_q, tid)
-                load_stream(smem, DO_OFF + (1 - buf) * STRIDE, do, b, h, q_start + BLOCK_N, seqlen_q, tid)
+                load_stream(smem, Q_OFF + nxt * STRIDE, q, b, h, q_start + BLOCK_N, seqlen_q, tid)
+                load_stream(smem, DO_OFF + nxt * STRIDE, do, b, h, q_start + BLOCK_N, seqlen_q, tid)
                 I.cp_async_commit()
 
             # Step 1a: Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ, the warpgroup's 64 keys × BLOCK_N queries: two
@@ -290,15 +308,17 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig):
             # lse2, D of tile i + 1 into the other buffer (read by nobody since the barrier): the loads'
             # latency hides under the products.
             if it + 1 < n_tiles:
-                stage_columns(smem_f, COLS_F + (1 - buf) * COL_BUF, lse2, delta, b, h, q_start + BLOCK_N,
+                stage_columns(smem_f, COLS_F + (1 - lbuf) * COL_BUF, lse2, delta, b, h, q_start + BLOCK_N,
                               seqlen_q, tid)
-            HW.wgmma_wait_group(1)  # Sᵀ is done (groups complete in order); dPᵀ may still run
+            # Sᵀ is done, and so is every earlier group (they complete in order: tile i - 1's dV and dK
+            # too); dPᵀ may still run.
+            HW.wgmma_wait_group(1)
             st = HW.wgmma_fence_operand(st)
             HW.acc_to_array(st, S)
 
             # Step 1b: Pᵀ = exp2(Sᵀ · scale · log2 e − lse2_col), invisible pairs 0.
             # Value i of tile n: key g + 8(i >> 1), query 8n + 2t + (i & 1).
-            cols = COLS_F + buf * COL_BUF
+            cols = COLS_F + lbuf * COL_BUF
             masked = d_tile_needs_mask(q_start, k_start, BLOCK_N, BLOCK_M, seqlen_q, seqlen_k, causal)
             for n in range(N_TILES):
                 for cc in range(2):
@@ -314,7 +334,7 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig):
             # Step 1c: dV_j += Pᵀ dO_i issued (Pᵀ packed from the accumulators, dO_i read N-major) ...
             for kk in range(N_STEPS):
                 p_frags(PA, S, kk, kk)
-            dv_t = HW.wgmma_fence_operand(HW.acc_from_array(dV, D_PAD))
+            dv_t = HW.wgmma_fence_operand(HW.acc_from_array(dV, D_PAD) if STAGES == 2 else dv_t)
             HW.wgmma_fence()
             dv_t = rs_prod(dv_t, PA, do_desc_n + buf_off)
             HW.wgmma_commit_group()
@@ -330,18 +350,23 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig):
                         dP[n, 2 * r + cc] = S[n, 2 * r + cc] * (dP[n, 2 * r + cc] - delta_c)
             for kk in range(N_STEPS):
                 p_frags(SA, dP, kk, kk)
-            dk_t = HW.wgmma_fence_operand(HW.acc_from_array(dK, D_PAD))
+            dk_t = HW.wgmma_fence_operand(HW.acc_from_array(dK, D_PAD) if STAGES == 2 else dk_t)
             HW.wgmma_fence()
             dk_t = rs_prod(dk_t, SA, q_desc_n + buf_off)
             HW.wgmma_commit_group()
-            # Both products read Q_i, dO_i, refilled after the next barrier: wait for them here.
-            HW.wgmma_wait_group(0)
+            if STAGES == 2:  # both products read Q_i, dO_i, refilled after the next barrier: wait here
+                HW.wgmma_wait_group(0)
+                HW.acc_to_array(HW.wgmma_fence_operand(dv_t), dV)
+                HW.acc_to_array(HW.wgmma_fence_operand(dk_t), dK)
+            # (3 stages: they run on under the next tile's barrier and Sᵀ, dPᵀ)
             dv_t = HW.wgmma_fence_operand(dv_t)
             dk_t = HW.wgmma_fence_operand(dk_t)
-            HW.acc_to_array(dv_t, dV)
-            HW.acc_to_array(dk_t, dK)
 
-        I.cp_async_wait_all()  # nothing left in flight (also when no query tile sees these keys)
+        I.cp_async_wait_all()  # nothing left in flight (also when no query tile sees these keys) ...
+        if STAGES == 3:  # ... nor any product
+            HW.wgmma_wait_group(0)
+            HW.acc_to_array(HW.wgmma_fence_operand(dv_t), dV)
+            HW.acc_to_array(HW.wgmma_fence_operand(dk_t), dK)
 
         # dK_j · scale and dV_j, written once (head-dim padding not written).
         sc = numba.float32(scale)
@@ -362,7 +387,7 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
     """The compiled dQ kernel (step 2) for one configuration (cached)."""
     c = _Consts(cfg)
     BLOCK_M, BLOCK_N, D, D_PAD, THREADS = c.BLOCK_M, c.BLOCK_N, c.D, c.D_PAD, c.THREADS
-    DO_OFF, K_OFF, V_OFF, STRIDE = c.A1, c.S0, c.S1, c.STRIDE
+    DO_OFF, K_OFF, V_OFF, STRIDE, STAGES = c.A1, c.S0, c.S1, c.STRIDE, c.DQ_STAGES
     N_TILES, D_TILES, N_STEPS = c.N_TILES, c.D_TILES, c.N_STEPS
     STREAM_PANEL, SMEM_ALIGN = c.STREAM_PANEL, c.SMEM_ALIGN
     ss_prod, rs_prod = c.ss, c.rs
@@ -392,7 +417,7 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
 
         S = cuda.local.array((N_TILES, 4), numba.float32)  # S, then P
         dP = cuda.local.array((N_TILES, 4), numba.float32)  # dP, then dS
-        dQ = cuda.local.array((D_TILES, 4), numba.float32)
+        dQ = cuda.local.array((D_TILES, 4), numba.float32)  # (the epilogue's copy of the accumulator)
         SA = cuda.local.array((N_STEPS, 4), numba.uint32)  # dS as A fragments
         lse2_r = cuda.local.array(2, numba.float32)  # rows g, g + 8: lse2_i ...
         delta_r = cuda.local.array(2, numba.float32)  # ... and D_i
@@ -403,6 +428,7 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
         for n in range(D_TILES):
             for i in range(4):
                 dQ[n, i] = ZERO
+        dq_t = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(D_PAD))  # (3 stages: the accumulator crosses tiles)
         scale_log2 = numba.float32(qk_scale_log2)
 
         q_desc = HW.d_make_smem_desc(HW.smem_address(smem, 64 * PANEL * wg), 16, SBO, SW128)
@@ -423,15 +449,16 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
 
         for j in range(n_tiles):
             k_start = j * BLOCK_N
-            buf = j % 2
+            buf, nxt = j % STAGES, (j + 1) % STAGES
             # K_j, V_j have landed (the only group in flight); start K_{j+1}, V_{j+1}.
             I.cp_async_wait(0)
             HW.fence_proxy_async()  # my cp.async writes → visible to the tensor cores
-            # Everyone's copies are visible; every warpgroup has finished tile j - 1, whose buffers are refilled.
+            # Everyone's copies are visible; every warpgroup is done with the buffers refilled now (tile
+            # j - 1's with 2 stages; with 3, tile j - 2's, whose dQ product finished before tile j - 1's S).
             cuda.syncthreads()
             if j + 1 < n_tiles:
-                load_stream(smem, K_OFF + (1 - buf) * STRIDE, k, b, h, k_start + BLOCK_N, seqlen_k, tid)
-                load_stream(smem, V_OFF + (1 - buf) * STRIDE, v, b, h, k_start + BLOCK_N, seqlen_k, tid)
+                load_stream(smem, K_OFF + nxt * STRIDE, k, b, h, k_start + BLOCK_N, seqlen_k, tid)
+                load_stream(smem, V_OFF + nxt * STRIDE, v, b, h, k_start + BLOCK_N, seqlen_k, tid)
                 I.cp_async_commit()
 
             # S = Q_i K_jᵀ and dP = dO_i V_jᵀ (64 queries × BLOCK_N keys per warpgroup): two groups, so
@@ -444,7 +471,7 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
             HW.wgmma_commit_group()
             dp = ss_prod(dp, do_desc, v_desc + buf_off)
             HW.wgmma_commit_group()
-            HW.wgmma_wait_group(1)  # S is done (groups complete in order); dP may still run
+            HW.wgmma_wait_group(1)  # S is done, and every earlier group (tile j - 1's dQ); dP may still run
             s = HW.wgmma_fence_operand(s)
             HW.acc_to_array(s, S)
 
@@ -468,15 +495,20 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
             # dQ_i += dS K_j: dS packed from the accumulators, K_j read N-major.
             for kk in range(N_STEPS):
                 p_frags(SA, dP, kk, kk)
-            dq_t = HW.wgmma_fence_operand(HW.acc_from_array(dQ, D_PAD))
+            dq_t = HW.wgmma_fence_operand(HW.acc_from_array(dQ, D_PAD) if STAGES == 2 else dq_t)
             HW.wgmma_fence()
             dq_t = rs_prod(dq_t, SA, k_desc_n + buf_off)
             HW.wgmma_commit_group()
-            HW.wgmma_wait_group(0)
+            if STAGES == 2:  # it reads K_j, refilled after the next barrier: wait here
+                HW.wgmma_wait_group(0)
+                HW.acc_to_array(HW.wgmma_fence_operand(dq_t), dQ)
+            # (3 stages: it runs on under the next tile's barrier and S, dP)
             dq_t = HW.wgmma_fence_operand(dq_t)
-            HW.acc_to_array(dq_t, dQ)
 
-        I.cp_async_wait_all()  # nothing left in flight (only Q_i's group when no key tile was visible)
+        I.cp_async_wait_all()  # no copy left in flight (only Q_i's group when no key tile was visible) ...
+        if STAGES == 3:  # ... nor any product
+            HW.wgmma_wait_group(0)
+            HW.acc_to_array(HW.wgmma_fence_operand(dq_t), dQ)
 
         # dQ_i · scale, written once.  A row that sees no key keeps dQ_i = 0.
         sc = numba.float32(scale)

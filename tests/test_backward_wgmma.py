@@ -66,6 +66,18 @@ def test_backward_wgmma_two_warpgroups(xp, rng):
 
 
 @hopper
+@pytest.mark.parametrize("kind,causal,n_q,n_k,d", [("float16", True, 70, 37, 64), ("bfloat16", False, 37, 70, 40)])
+def test_backward_wgmma_three_stages(xp, rng, kind, causal, n_q, n_k, d):
+    """Three buffers per streamed tile (each tile's gradient products left in flight across the next tile's
+    barrier): over five streamed tiles in one kernel and three in the other, the tile buffers rotate modulo 3
+    and the lse2 / D buffers modulo 2.  The simulator runs each wgmma when it is issued, so the overlap
+    itself is exercised on the GPU (this test there, the tile sweep's checks at up to 2048 rows)."""
+    cfg = B.WGBackwardConfig(64, 16, d, kind, dkdv_stages=3, dq_stages=3)
+    got, values, scale = run_backward(xp, rng, n_q, n_k, d, kind, causal, True, heads=1, cfg=cfg, launch=launch)
+    check_against_reference(got, values, scale, causal, kind)
+
+
+@hopper
 def test_api_backward_wgmma(xp, rng):
     """``backend="wgmma"`` through nbflash.attention_backward: the same gradients as the SIMT backward."""
     q, k, v, do = (xp.asarray(rng.standard_normal((1, 2, n, 64)).astype(np.float16)) for n in (19, 33, 33, 19))
@@ -80,12 +92,15 @@ def test_api_backward_wgmma(xp, rng):
 
 
 def test_config_validation():
-    for bad in (dict(block_m=96), dict(block_n=24), dict(head_dim=136), dict(input_kind="float32")):
+    for bad in (dict(block_m=96), dict(block_n=24), dict(head_dim=136), dict(input_kind="float32"), dict(dq_stages=4),
+                dict(dkdv_stages=1)):
         args = dict(block_m=64, block_n=16, head_dim=64, input_kind="float16") | bad
         with pytest.raises(ValueError, match=next(iter(bad))):
             B.WGBackwardConfig(**args)
     # K, V (or Q, dO) once, Q, dO (or K, V) twice: 128 × 64 tiles at D = 128 are 2 · 32 + 4 · 16 KB.
     assert B.shared_bytes(B.WGBackwardConfig(128, 64, 128, "float16")) == 128 * 1024 + 2 * 2 * 64 * 4  # + lse2, D
+    three = B.WGBackwardConfig(128, 64, 128, "float16", dq_stages=3)  # a third streamed buffer of each: + 32 KB
+    assert B.shared_bytes(three) == (128 + 32) * 1024 + 2 * 2 * 64 * 4
 
 
 def test_gpu_configurations_compile_for_sm90a_without_local_memory():
