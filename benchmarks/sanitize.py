@@ -11,7 +11,8 @@ head dims 40, 64, 128 and 256 — padding, Q in registers or shared memory,
 one and two m-tiles per warp, both K/V pipelines; backward at 64 and 128, both dQ routes), and the
 PyTorch bridge in bfloat16 (forward and backward, tensor cores), and on a Hopper GPU the wgmma forward
 (every pipeline, the warp-specialised ones' named-barrier handshakes included; head dims 40 to 256, ragged
-K/V, rows that see no key) and the wgmma backward (one and two warpgroups, streamed tiles of 16 to 64 rows).
+K/V, rows that see no key) and the wgmma backward (one and two warpgroups, streamed tiles of 16 to 64 rows,
+two and three buffers each).
 """
 
 import os
@@ -71,12 +72,14 @@ if nbflash._device.compute_capability()[0] == 9:  # the wgmma forward, both pipe
         forward_wgmma.launch_forward_wgmma(cfg, x, x[:, :, :131], x[:, :, :131], o3, l3, 0.125, True)
     from nbflash import backward_wgmma  # noqa: E402
 
-    for d, bm, bn in ((64, 64, 64), (128, 128, 64), (96, 128, 32), (40, 64, 16)):  # the wgmma backward
+    # the wgmma backward: one and two warpgroups, 2 and 3 buffers per streamed tile (products in flight
+    # across the next tile's barrier)
+    for d, bm, bn, st in ((64, 64, 64, 2), (128, 128, 64, 2), (128, 128, 64, 3), (96, 128, 32, 2), (40, 64, 16, 3)):
         x = cp.random.standard_normal((1, 2, 150, d)).astype(cp.float16)
-        kv = x[:, :, :131]  # ragged K/V, seqlen_q != seqlen_k, rows that see no key; lse2/D buffers cycle
+        kv = x[:, :, :131]  # ragged K/V, seqlen_q != seqlen_k, rows that see no key; the buffers cycle
         o4, l4 = nbflash.attention(x, kv, kv, causal=True, return_lse=True)
         grads = [cp.empty_like(a) for a in (x, kv, kv)]
-        cfg = backward_wgmma.WGBackwardConfig(bm, bn, d, "float16")
+        cfg = backward_wgmma.WGBackwardConfig(bm, bn, d, "float16", dkdv_stages=st, dq_stages=st)
         backward_wgmma.launch_backward_wgmma(cfg, x, x, kv, kv, o4, l4, *grads, 0.125, True)
 qt, kt, vt = (torch.randn(1, 2, 130, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 nbflash.torch.attention(qt, kt, vt, causal=True).sum().backward()

@@ -538,9 +538,10 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
     (``tc-backward-NVIDIA-H200-2026-11-30-wgsweep.json``, bf16, N = 1k … 16k, causal and not).
 
     GPU: D ≤ 64: one warpgroup, 64 × 64 (168 registers, 49 KB: three blocks per SM overlap each
-    other's products and softmax); D > 64: two warpgroups, 128 × 64 (246 registers in dK/dV, one
-    block per SM; level with 64 × 64 at N ≤ 4k, 3–7 % ahead at 16k).  Simulator: one warpgroup and
-    16-row streamed tiles.
+    other's products and softmax); D > 64: two warpgroups, 128 × 64 (245 registers in dK/dV, one
+    block per SM; level with 64 × 64 at N ≤ 4k, 3–7 % ahead at 16k), the dQ kernel with three K/V
+    buffers (1–3 % ahead of two on every shape of ``…-stages.json``; three in dK/dV spill).
+    Simulator: one warpgroup and 16-row streamed tiles.
     """
     if not takes_head_dim(head_dim):
         raise ValueError(f"the wgmma backward takes head dims that are multiples of 8 up to 128, got {head_dim}")
@@ -548,7 +549,7 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
         return WGBackwardConfig(64, 16, head_dim, input_kind)
     if head_dim <= 64:
         return WGBackwardConfig(64, 64, head_dim, input_kind)
-    return WGBackwardConfig(128, 64, head_dim, input_kind)
+    return WGBackwardConfig(128, 64, head_dim, input_kind, dq_stages=3)
 
 
 def can_implement(cfg: WGBackwardConfig, *arrays) -> tuple[bool, str]:
