@@ -39,7 +39,10 @@ With ``P_ij = exp(S_ij·scale − lse_i)`` recomputed tile by tile::
    c. ``dV_j += Pᵀ dO_i`` issued (registers × shared, dO_i read N-major);
    d. once dPᵀ is done (dV still running): ``dSᵀ = Pᵀ ∘ (dPᵀ − D_col)``, then
       ``dK_j += dSᵀ Q_i`` issued; both waited for before the next tile's
-      barrier, which refills Q_i, dO_i.
+      barrier, which refills Q_i, dO_i — or, with three buffers per streamed
+      tile (``dkdv_stages=3``), left running under it: the barrier then
+      refills the buffer of tile i − 1, whose products finished before tile
+      i's Sᵀ.
 
    One warpgroup's query tile (``|`` a wait; the other warpgroup, and with
    one warpgroup per block the other blocks on the SM, fill the gaps)::
@@ -54,11 +57,13 @@ With ``P_ij = exp(S_ij·scale − lse_i)`` recomputed tile by tile::
    K_jᵀ`` and ``dP = dO_i V_jᵀ`` (shared × shared, two groups), ``P = exp2(S
    · scale · log2 e − lse2_row)`` (masked through the forward's own
    :func:`~nbflash.forward_tc.fragment_steps`) while dP runs, ``dS = P ∘ (dP −
-   D_row)``, ``dQ_i += dS K_j`` (registers × shared, K_j N-major).  ``dQ_i ·
-   scale`` written once.  No atomics: the same bits on every run.
+   D_row)``, ``dQ_i += dS K_j`` (registers × shared, K_j N-major; with
+   ``dq_stages=3`` left running under the next tile's barrier, as in 1d).
+   ``dQ_i · scale`` written once.  No atomics: the same bits on every run.
 
-Every wgmma group is waited for before its warpgroup reaches the next tile's
-barrier, so that barrier finds every warpgroup done with the buffers it refills.
+So each tile's barrier finds every warpgroup done with the buffers it
+refills: with two buffers because every product was waited for before it,
+with three because the products still running read another buffer.
 The warpgroup index is made warp-uniform to ptxas
 (:func:`~nbflash._device.warp_uniform`), which otherwise serialises the wgmmas.
 
@@ -72,9 +77,11 @@ TFLOP/s at N = 1k / 4k / 16k (bf16, non-causal), 1.03–1.25× SDPA's
 FlashAttention-2 backward over the grid; D = 64 0.91–1.13×; 0.58–0.70× cuDNN.
 ``backend="auto"`` runs it on compute capability 9.x.  The first version (every
 product pair waited for at once, lse2 and D read from global memory in the
-softmax) reached 99–204.  Next: keep the last gradient product in flight
-across the next tile's barrier (three Q/dO buffers), a producer warpgroup as
-in the forward, and one kernel with dQ by atomics (FlashAttention-3's layout).
+softmax) reached 99–204.  Three buffers per streamed tile bought 1–3 % in the
+dQ kernel and lost in dK/dV, whose accumulators then cross tiles in registers
+(255 and spills at D = 128; 251 instead of 168 at D = 64).  Next: a producer
+warpgroup as in the forward, and one kernel with dQ by atomics
+(FlashAttention-3's layout).
 """
 
 from __future__ import annotations
