@@ -424,7 +424,7 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
 
         S = cuda.local.array((N_TILES, 4), numba.float32)  # S, then P
         dP = cuda.local.array((N_TILES, 4), numba.float32)  # dP, then dS
-        dQ = cuda.local.array((D_TILES, 4), numba.float32)  # (the epilogue's copy of the accumulator)
+        dQ = cuda.local.array((D_TILES, 4), numba.float32)  # dQ_i between tiles (2 stages), or the epilogue's copy
         SA = cuda.local.array((N_STEPS, 4), numba.uint32)  # dS as A fragments
         lse2_r = cuda.local.array(2, numba.float32)  # rows g, g + 8: lse2_i ...
         delta_r = cuda.local.array(2, numba.float32)  # ... and D_i
