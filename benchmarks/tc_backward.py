@@ -14,13 +14,13 @@ Run on a CUDA machine (CuPy and PyTorch needed)::
    warm-up, next to SDPA's flash and cuDNN backwards (autograd.grad on a
    retained graph) in the same run.
 
-Tile sweep (``--configs 64x64r,128x128r,64x128,wg128x64``): candidate
+Tile sweep (``--configs 64x64r,128x128r,64x128,wg128x64s23``): candidate
 configurations of :mod:`nbflash.backward_tc`, by tag ``<block_m>x<block_n>``
 plus ``r`` when each warp keeps its K/V fragments in registers, and of
-:mod:`nbflash.backward_wgmma` by ``wg<block_m>x<block_n>`` (``s3``: three
-``s23``: two buffers per streamed tile in the dK/dV kernel, three in the dQ
-kernel) (``@64`` after a
-tag: that head dim only); each head dim's current ``backward_tc`` default
+:mod:`nbflash.backward_wgmma` by ``wg<block_m>x<block_n>`` plus, optionally,
+``s<dK/dV buffers><dQ buffers>`` (``s23``: two buffers per streamed tile in the
+dK/dV kernel, three in the dQ kernel; default two and two).  ``@64`` after a
+tag: that head dim only.  Each head dim's current ``backward_tc`` default
 (``choose_config``) always runs too.
 Each candidate is compiled (registers, local memory), checked against float64
 autograd with the flash-attn rule (bhsd, odd sizes, causal and not; a failing

@@ -335,9 +335,10 @@ def attention_backward(
             (it has no atomic route, and ``False`` only permits one).
         backend: ``"auto"`` (for float16/bfloat16: on a Hopper GPU (9.x)
             the wgmma backward of :mod:`nbflash.backward_wgmma` at head dims
-            that are multiples of 8 up to 128 — measured 0.93–1.05× SDPA's
-            FlashAttention-2 backward on the H200, against 0.63–0.85× for the
-            ``mma.sync`` one; else the tensor-core backward of
+            that are multiples of 8 up to 128 — measured 1.03–1.25× SDPA's
+            FlashAttention-2 backward on the H200 at D = 128 and 0.91–1.13× at
+            D = 64 (N ≥ 1k), against 0.63–0.85× for the ``mma.sync`` one;
+            else the tensor-core backward of
             :mod:`nbflash.backward_tc` at head dims that are multiples of 16 up
             to 128 on an sm_80+ GPU; the SIMT one otherwise), ``"simt"`` or
             ``"tensor_core"``, or ``"wgmma"`` (Hopper's warpgroup kernels,
