@@ -87,8 +87,8 @@ def wg_config(bm, bn, d, kind, pipe) -> W.WGConfig:
     name, _, stages = pipe.partition(":")
     return W.WGConfig(bm, bn, d, kind, name, **({"stages": int(stages)} if stages else {}))
 #: Names accepted by --configs besides tags: choose_config's pick for each head dim and dtype, its split pipeline,
-#: and the wgmma kernel's pick.
-NAMED = ("default", "default-split", "wg-default")
+#: the same with S = Q Kᵀ in straight-line groups of 1 or 2 k-steps (``qk_unroll``), and the wgmma kernel's pick.
+NAMED = ("default", "default-split", "default-u1", "default-u2", "wg-default")
 #: Head dims checked for correctness only (the default configuration).
 CHECK_ONLY = (40, 96, 256)
 
@@ -96,6 +96,7 @@ CHECK_ONLY = (40, 96, 256)
 def tag(cfg) -> str:
     """``64x32`` (Q fragments in registers) or ``64x32s`` (Q re-read from shared memory); ``/2``: two m-tiles
     per warp; ``-split``: FlashAttention-2's split K/V pipeline (one K and one V buffer, two cp.async groups);
+    ``-u1``: S = Q Kᵀ as straight-line code in groups of one k-step (``qk_unroll``);
     ``wg128x128``: the wgmma kernel's tiles, overlapped pipeline (``-plain``: every product waited for at once;
     ``-pp``: the two warpgroups take turns; ``-ws3``: a producer warpgroup and 3 K/V stages; ``-wso3``: the same,
     each warpgroup also overlapping its softmax with its own P V)."""
@@ -105,7 +106,7 @@ def tag(cfg) -> str:
         return f"wg{cfg.block_m}x{cfg.block_n}{suffix}"
     return (
         f"{cfg.block_m}x{cfg.block_n}{'' if cfg.q_in_regs else 's'}{'/2' if cfg.m_tiles == 2 else ''}"
-        f"{'-split' if cfg.kv_pipeline == 'split' else ''}"
+        f"{'-split' if cfg.kv_pipeline == 'split' else ''}{f'-u{cfg.qk_unroll}' if cfg.qk_unroll else ''}"
     )
 
 
@@ -121,6 +122,8 @@ def select(dims, kinds, wanted=None):
                 continue
             default = T.choose_config(d, kind, simulator=False)
             named = {"default": default, "default-split": dataclasses.replace(default, kv_pipeline="split"),
+                     "default-u1": dataclasses.replace(default, qk_unroll=1),
+                     "default-u2": dataclasses.replace(default, qk_unroll=2),
                      "wg-default": W.choose_config(d, kind, simulator=False)}
             for cfg in [named[w] for w in NAMED if w in wanted] + [c for c in listed if tag(c) in wanted]:
                 if cfg not in cfgs:

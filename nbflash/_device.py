@@ -485,15 +485,19 @@ class _SimArray:
 
     The simulator copies each NumPy argument "to the device" and back, which it
     can only do for contiguous arrays; a kernel only indexes its arrays and
-    reads their shape, so a view that forwards both works in place.
+    reads their shape and strides (and :func:`nbflash.intrinsics.global_address`
+    their data address), so a view that forwards those works in place.
     """
 
-    __slots__ = ("_a", "shape", "dtype")
+    __slots__ = ("_a", "shape", "dtype", "strides", "itemsize", "ctypes")
 
     def __init__(self, a):
         self._a = a
         self.shape = a.shape
         self.dtype = a.dtype
+        self.strides = a.strides
+        self.itemsize = a.itemsize
+        self.ctypes = a.ctypes
 
     def __getitem__(self, idx):
         return self._a[idx]

@@ -1,4 +1,4 @@
-"""Tile plumbing shared by the SIMT kernels: configurations, shared-memory carving, tile loads.
+"""Tile plumbing shared by the kernels: SIMT configurations, shared-memory carving, tile loads and copies.
 
 A *configuration* fixes every compile-time constant of a kernel: the tile
 sizes ``BLOCK_M`` (queries) and ``BLOCK_N`` (keys), the padded head dim, the
@@ -306,6 +306,79 @@ def make_async_tile_loader(cfg: TileConfig):
     return device_function(load_tile_async)
 
 
+def make_tc_tile_copier(rows: int, threads: int, head_dim: int, chunks: int, dst_offset):
+    """``copy(smem, offset, src, b, h, start, seqlen, tid)``: ``cp.async`` rows ``[start, start + rows)`` of
+    ``src[b, h]`` (16-bit elements) into a shared tile, for the tensor-core kernels.
+
+    A row is ``chunks`` 16-byte chunks in shared memory, of which the first
+    ``head_dim / 8`` hold data; the others (head-dim padding) and rows past
+    ``seqlen`` are zero-filled (a copy of 0 source bytes from a valid
+    address).  ``dst_offset(offset, r, chunk)`` (a device function) places
+    chunk ``chunk`` of tile row ``r``: a padded pitch, or a swizzle.
+
+    The ``threads`` threads copy the chunks ``tid, tid + threads, …``.  When
+    ``threads`` is a multiple of ``chunks``, a thread copies the same chunk
+    column of rows ``tid // chunks + it · threads / chunks``, and a tile that
+    lies wholly inside the sequence (every tile but the ragged last one) takes
+    the short path: one global address per tile, the thread's next rows one
+    row stride further (:func:`~nbflash.intrinsics.cp_async_16_at`) — two
+    additions per chunk where the general path spends about twenty
+    instructions on a 4-index address, a clamp and a bound test.  All index
+    arithmetic is unsigned, so ``//`` and ``%`` by powers of two are shifts
+    and masks, and the loops have constant trip counts (unrolled).
+    """
+    DATA = head_dim // 8  # chunks that hold data
+    ITERS = -(-rows * chunks // threads)
+    EXACT = rows * chunks % threads == 0
+    SAME_CHUNK = threads % chunks == 0
+    u64, i64 = numba.uint64, numba.int64
+    U_CHUNKS, U_THREADS, U_TOTAL, U_DATA, U_ROWS = (np.uint64(x) for x in (chunks, threads, rows * chunks, DATA, rows))
+    U_ROW_STEP, I_ROW_STEP = np.uint64(threads // chunks), np.int64(threads // chunks)
+
+    def copy_tile(smem, offset, src, b, h, start, seqlen, tid):
+        if SAME_CHUNK and u64(start) + U_ROWS <= u64(seqlen):  # a whole tile: no row is past the end
+            pinned = u64(I.pinned_u32(tid))  # addresses computed here, not held through the caller's loop
+            r0 = pinned // U_CHUNKS
+            chunk = pinned % U_CHUNKS
+            nbytes = 16 if DATA == chunks or chunk < U_DATA else 0
+            address = I.global_address(src, (b, h, u64(start) + r0, min(chunk, U_DATA - u64(1)) * u64(8)))
+            step = i64(src.strides[2]) * I_ROW_STEP  # bytes from one of the thread's rows to its next
+            for it in range(ITERS):
+                r = r0 + u64(it) * U_ROW_STEP
+                if EXACT or r < U_ROWS:
+                    I.cp_async_16_at(smem, dst_offset(offset, r, chunk), address, nbytes)
+                address += step
+        else:
+            for it in range(ITERS):
+                c = u64(tid) + u64(it) * U_THREADS
+                if EXACT or c < U_TOTAL:
+                    if SAME_CHUNK:
+                        r = u64(tid) // U_CHUNKS + u64(it) * U_ROW_STEP
+                        chunk = u64(tid) % U_CHUNKS
+                    else:
+                        r = c // U_CHUNKS
+                        chunk = c % U_CHUNKS
+                    row = u64(start) + r
+                    nbytes = 16 if row < u64(seqlen) and (DATA == chunks or chunk < U_DATA) else 0
+                    row = min(row, u64(seqlen - 1))  # a valid address even when nothing is read
+                    col = min(chunk, U_DATA - u64(1)) * u64(8)
+                    I.cp_async_16(smem, dst_offset(offset, r, chunk), src, (b, h, row, col), nbytes)
+
+    return device_function(copy_tile)
+
+
+def make_padded_offset(pitch: int):
+    """``dst_offset(offset, r, chunk)`` for :func:`make_tc_tile_copier`: rows ``pitch`` elements apart, chunk
+    ``chunk`` at element ``8 · chunk`` of its row."""
+    U_PITCH = np.uint64(pitch)
+    u64 = numba.uint64
+
+    def padded_offset(offset, r, chunk):
+        return u64(offset) + r * U_PITCH + chunk * u64(8)
+
+    return device_function(padded_offset)
+
+
 def async_copy_ok(cfg: TileConfig, *arrays, names=("q", "k", "v")) -> tuple[bool, str]:
     """Can ``cfg`` with ``async_copy`` read these arrays (canonical views or descriptors)?  ``(ok, reason)``.
 
@@ -439,7 +512,9 @@ __all__ = [
     "make_mm_nn",
     "make_mm_nt",
     "make_row_reducers",
+    "make_padded_offset",
     "make_storer",
+    "make_tc_tile_copier",
     "make_tile_loader",
     "numba_type",
     "pad_head_dim",

@@ -106,7 +106,7 @@ import numpy as np
 from . import backward as bw
 from . import intrinsics as I
 from ._device import SIMULATOR, compute_capability, cuda, device_function, kernel, launch, max_shared_per_block, numba
-from ._tiles import LOG2E, make_storer
+from ._tiles import LOG2E, make_padded_offset, make_storer, make_tc_tile_copier
 from ._validate import array_module, tile_rows_problem
 from .masking import d_key_range, d_query_range, d_row_key_end, d_tile_needs_mask
 
@@ -218,41 +218,9 @@ def shared_bytes(cfg: TCBackwardConfig, name: str = "dkdv_atomic") -> int:
 
 def _make_tile_copier(rows: int, cfg: TCBackwardConfig):
     """``copy(smem, offset, src, b, h, start, seqlen, tid)``: ``cp.async`` rows ``[start, start + rows)``
-    of ``src[b, h]`` to ``smem[offset + r·PITCH]``, rows past ``seqlen`` zero-filled.
-
-    Each thread copies the 16-byte chunks ``tid, tid + THREADS, ...`` of the
-    tile: a loop of constant trip count (unrolled), in unsigned arithmetic so
-    that ``//`` and ``%`` by the power-of-two chunk count are shifts and masks
-    (as in :mod:`nbflash.forward_tc`).  When THREADS is a multiple of the chunk
-    count (D a power of two), a thread copies the same chunk of rows
-    ``tid // chunks + it · THREADS / chunks``, written so: one offset plus
-    constants, rather than a row per iteration that the compiler would keep in
-    a register through the whole tile loop.
-    """
-    chunks = cfg.head_dim // 8  # 16-byte chunks per row
-    ITERS = -(-rows * chunks // cfg.threads)
-    EXACT = rows * chunks % cfg.threads == 0
-    SAME_CHUNK = cfg.threads % chunks == 0
-    U_CHUNKS, U_PITCH, U_THREADS, U_TOTAL = (np.uint64(x) for x in (chunks, cfg.pitch, cfg.threads, rows * chunks))
-    U_ROW_STEP = np.uint64(cfg.threads // chunks)
-    u64 = numba.uint64
-
-    def copy_tile(smem, offset, src, b, h, start, seqlen, tid):
-        for it in range(ITERS):
-            c = u64(tid) + u64(it) * U_THREADS
-            if EXACT or c < U_TOTAL:
-                if SAME_CHUNK:
-                    r = u64(tid) // U_CHUNKS + u64(it) * U_ROW_STEP
-                    col = (u64(tid) % U_CHUNKS) * u64(8)
-                else:
-                    r = c // U_CHUNKS
-                    col = (c % U_CHUNKS) * u64(8)
-                row = u64(start) + r
-                nbytes = 16 if row < u64(seqlen) else 0
-                row = min(row, u64(seqlen - 1))  # a valid address even when nothing is read
-                I.cp_async_16(smem, u64(offset) + r * U_PITCH + col, src, (b, h, row, col), nbytes)
-
-    return device_function(copy_tile)
+    of ``src[b, h]`` to ``smem[offset + r·PITCH]``, rows past ``seqlen`` zero-filled — the tensor-core
+    tile copy of :func:`nbflash._tiles.make_tc_tile_copier` (D is a multiple of 16: no padding chunks)."""
+    return make_tc_tile_copier(rows, cfg.threads, cfg.head_dim, cfg.head_dim // 8, make_padded_offset(cfg.pitch))
 
 
 def _make_fragment_ops(input_kind: str):

@@ -80,11 +80,9 @@ import functools
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from . import intrinsics as I
 from ._device import SIMULATOR, cuda, device_function, kernel, launch, max_shared_per_block, numba, shfl_xor
-from ._tiles import LN2, LOG2E, make_storer
+from ._tiles import LN2, LOG2E, make_padded_offset, make_storer, make_tc_tile_copier
 from ._validate import tile_rows_problem
 from .masking import d_key_range, d_row_key_end, d_tile_needs_mask
 
@@ -121,6 +119,7 @@ class TCConfig:
     q_in_regs: bool = True
     m_tiles: int = 1  # 16-row m-tiles per warp: 1 or 2
     kv_pipeline: str = "double"  # "double": 2 K and 2 V buffers; "split": 1 each, K and V separate groups
+    qk_unroll: int = 0  # > 0: S = Q Kᵀ as straight-line groups of this many k-steps (0: one loop NVVM may keep)
 
     def __post_init__(self):
         if self.m_tiles not in (1, 2):
@@ -138,6 +137,9 @@ class TCConfig:
             raise ValueError(f"input_kind must be 'float16' or 'bfloat16', got {self.input_kind!r}")
         if self.kv_pipeline not in ("double", "split"):
             raise ValueError(f"kv_pipeline must be 'double' or 'split', got {self.kv_pipeline!r}")
+        if not isinstance(self.qk_unroll, int) or self.qk_unroll < 0:
+            raise ValueError(f"qk_unroll must be a non-negative int (k-steps per straight-line group), got "
+                             f"{self.qk_unroll!r}")
 
     @property
     def warps(self) -> int:
@@ -313,8 +315,7 @@ def forward_tc_kernel(cfg: TCConfig):
     SPLIT_KV = cfg.kv_pipeline == "split"  # FlashAttention-2's single K and V buffers, two cp.async groups per tile
     K_OFF, V_OFF, _ = shared_offsets(cfg)
     KV_STRIDE = BLOCK_N * PITCH  # elements from one K (or V) buffer to the other (double buffering)
-    CHUNKS = D_PAD // 8  # 16-byte chunks per shared row ...
-    DATA_CHUNKS = D // 8  # ... of which these hold data (the rest is zero padding)
+    CHUNKS = D_PAD // 8  # 16-byte chunks per shared row (the last ones zero padding when D < D_PAD)
     N_TILES = BLOCK_N // 8  # 8-key column tiles of S
     D_TILES = D_PAD // 8  # 8-wide column tiles of O
     K_STEPS = D_PAD // 16  # k-steps of Q K^T
@@ -325,51 +326,18 @@ def forward_tc_kernel(cfg: TCConfig):
     # every S index is a constant; one of 128 it leaves a loop over k-steps, S[2kk] is indexed at run time
     # and S goes to the stack (local memory).
     PV_SPLIT = PV_STEPS if PV_STEPS * D_TILES * cfg.m_tiles <= 64 else PV_STEPS // 2
+    # S = Q Kᵀ: NVVM keeps the k-step loop rolled at D = 128 (even in nests of 64 products), which is harmless
+    # for S (no index depends on the k-step) but puts each step's ldmatrix right before the mma that waits for
+    # it.  ``qk_unroll`` = u > 0 writes the loop as straight-line calls of u k-steps each (qk_steps_from).
     ZERO = numba.float32(0)
-    u32, u64 = numba.uint32, numba.uint64
+    u32 = numba.uint32
     SMEM_ALIGN = None if SIMULATOR else 16
     mma = I.mma_m16n8k16_f16 if cfg.input_kind == "float16" else I.mma_m16n8k16_bf16
 
-    def make_load_tile(ROWS):
-        """``load_tile(smem, offset, src, b, h, start, seqlen, tid)``: cp.async rows ``[start, start + ROWS)``
-        of ``src[b, h]`` to ``smem[offset + r·PITCH]``; rows past ``seqlen`` and the columns of the head-dim
-        padding are zero-filled (a copy of 0 source bytes).
-
-        Each thread copies the 16-byte chunks ``tid, tid + THREADS, ...`` of the
-        tile: a loop of constant trip count (unrolled), in unsigned arithmetic
-        so that ``//`` and ``%`` by the power-of-two CHUNKS are shifts and masks.
-        When THREADS is a multiple of CHUNKS (D_PAD a power of two), a thread
-        copies the same chunk of rows ``tid // CHUNKS + it · THREADS / CHUNKS``,
-        written so: one offset plus constants, rather than a row per iteration
-        that the compiler would keep in a register through the whole key loop.
-        """
-        ITERS = -(-ROWS * CHUNKS // THREADS)
-        EXACT = ROWS * CHUNKS % THREADS == 0
-        SAME_CHUNK = THREADS % CHUNKS == 0
-        U_CHUNKS, U_PITCH, U_THREADS, U_TOTAL = (np.uint64(x) for x in (CHUNKS, PITCH, THREADS, ROWS * CHUNKS))
-        U_DATA, U_ROW_STEP = np.uint64(DATA_CHUNKS), np.uint64(THREADS // CHUNKS)
-
-        def load_tile(smem, offset, src, b, h, start, seqlen, tid):
-            for it in range(ITERS):
-                c = u64(tid) + u64(it) * U_THREADS
-                if EXACT or c < U_TOTAL:
-                    if SAME_CHUNK:
-                        r = u64(tid) // U_CHUNKS + u64(it) * U_ROW_STEP
-                        chunk = u64(tid) % U_CHUNKS
-                    else:
-                        r = c // U_CHUNKS
-                        chunk = c % U_CHUNKS
-                    row = u64(start) + r
-                    nbytes = 16 if row < u64(seqlen) and (DATA_CHUNKS == CHUNKS or chunk < U_DATA) else 0
-                    row = min(row, u64(seqlen - 1))  # a valid address even when nothing is read
-                    col = min(chunk, U_DATA - u64(1)) * u64(8)
-                    I.cp_async_16(smem, u64(offset) + r * U_PITCH + chunk * u64(8), src, (b, h, row, col), nbytes)
-
-        return device_function(load_tile)
-
-
-    load_q = make_load_tile(BLOCK_M)
-    load_kv = make_load_tile(BLOCK_N)
+    # Tile copies (cp.async, 16-byte chunks; rows past the end and the head-dim padding zero-filled).
+    shared_row = make_padded_offset(PITCH)
+    load_q = make_tc_tile_copier(BLOCK_M, THREADS, D, CHUNKS, shared_row)
+    load_kv = make_tc_tile_copier(BLOCK_N, THREADS, D, CHUNKS, shared_row)
 
     # -- the steps of one m-tile (16 query rows of a warp), as inline device functions ------------------
 
@@ -386,6 +354,22 @@ def forward_tc_kernel(cfg: TCConfig):
         for i in range(4):
             C[n, i] = d[i]
 
+    def qk_product(S0, S1, qf0, qf1, smem, k_base, q_lane, first, end):
+        """S += Q_i K_jᵀ over the k-steps [first, end) (columns 16·first .. 16·end - 1 of D), for every m-tile:
+        each K fragment (16 keys × 16 of D, ``ldmatrix`` without transpose) feeds every m-tile of the warp."""
+        for kk in range(first, end):
+            kq = kk if Q_IN_REGS else 0
+            if not Q_IN_REGS:
+                load_q_frags(qf0, smem, q_lane, kk)
+                if TWO:
+                    load_q_frags(qf1, smem, q_lane + 16 * PITCH, kk)
+            for n2 in range(N_TILES // 2):
+                kb = I.ldmatrix_x4(smem, k_base + 16 * n2 * PITCH + 16 * kk)
+                for half in range(2):
+                    mma_into(S0, 2 * n2 + half, qf0, kq, kb[2 * half], kb[2 * half + 1])
+                    if TWO:
+                        mma_into(S1, 2 * n2 + half, qf1, kq, kb[2 * half], kb[2 * half + 1])
+
     def pv_product(acc0, acc1, S0, S1, P0, P1, smem, v_base, first, end):
         """acc += P V_j over the k-steps [first, end) (keys 16·first .. 16·end - 1), for every m-tile: each V
         fragment (16 keys × 16 of D, ``ldmatrix.trans``) feeds every m-tile of the warp."""
@@ -400,7 +384,28 @@ def forward_tc_kernel(cfg: TCConfig):
                     if TWO:
                         mma_into(acc1, 2 * d2 + half, P1, 0, vb[2 * half], vb[2 * half + 1])
 
-    load_q_frags, mma_into, pv_product = (device_function(f) for f in (load_q_frags, mma_into, pv_product))
+    load_q_frags, mma_into = (device_function(f) for f in (load_q_frags, mma_into))
+    qk_product, pv_product = (device_function(f) for f in (qk_product, pv_product))
+
+    def qk_steps_from(first):
+        """S += Q_i K_jᵀ over the k-steps [first, K_STEPS) as straight-line code: one call of
+        :func:`qk_product` per k-step, each with constant bounds (NVVM leaves a loop of 128 products rolled)."""
+        if first >= K_STEPS:
+            return None
+        end = min(first + cfg.qk_unroll, K_STEPS)
+        rest = qk_steps_from(end)
+
+        def qk_steps(S0, S1, qf0, qf1, smem, k_base, q_lane):
+            qk_product(S0, S1, qf0, qf1, smem, k_base, q_lane, first, end)
+            if rest is not None:
+                rest(S0, S1, qf0, qf1, smem, k_base, q_lane)
+
+        return device_function(qk_steps)
+
+    def qk_loop(S0, S1, qf0, qf1, smem, k_base, q_lane):
+        qk_product(S0, S1, qf0, qf1, smem, k_base, q_lane, 0, K_STEPS)
+
+    qk_all = qk_steps_from(0) if cfg.qk_unroll else device_function(qk_loop)
     init_rows, mask_scores, online_softmax, p_frags, write_rows, _, _ = fragment_steps(N_TILES, D_TILES, D,
                                                                                         cfg.input_kind)
 
@@ -491,18 +496,7 @@ def forward_tc_kernel(cfg: TCConfig):
                 for i in range(4):
                     S0[n, i] = ZERO
                     S1[n, i] = ZERO
-            for kk in range(K_STEPS):
-                kq = kk if Q_IN_REGS else 0
-                if not Q_IN_REGS:
-                    load_q_frags(qf0, smem, q_lane, kk)
-                    if TWO:
-                        load_q_frags(qf1, smem, q_lane + 16 * PITCH, kk)
-                for n2 in range(N_TILES // 2):
-                    kb = I.ldmatrix_x4(smem, k_base + 16 * n2 * PITCH + 16 * kk)
-                    for half in range(2):
-                        mma_into(S0, 2 * n2 + half, qf0, kq, kb[2 * half], kb[2 * half + 1])
-                        if TWO:
-                            mma_into(S1, 2 * n2 + half, qf1, kq, kb[2 * half], kb[2 * half + 1])
+            qk_all(S0, S1, qf0, qf1, smem, k_base, q_lane)
 
             # Step 2d: online softmax, base 2.  Value i of tile n is row g + 8(i >> 1), key 8n + 2t + (i & 1).
             if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):

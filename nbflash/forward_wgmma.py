@@ -133,7 +133,7 @@ from ._device import (
     numba,
     warp_uniform,
 )
-from ._tiles import LOG2E
+from ._tiles import LOG2E, make_tc_tile_copier
 from ._validate import tile_rows_problem
 from .forward_tc import fragment_steps
 from .forward_tc import kernel_signature as kernel_signature  # the same arguments: q, k, v, o, lse, scale, causal
@@ -247,35 +247,15 @@ def swizzled_tile_loader(ROWS: int, THREADS: int, D: int):
     backward, dO) tiles alike.
     """
     D_PAD = -(-D // PANEL) * PANEL
-    CHUNKS = D_PAD // 8  # 16-byte chunks per row ...
-    DATA_CHUNKS = D // 8  # ... of which these hold data (the rest is zero padding)
+    U_PANEL = np.uint64(ROWS * PANEL)  # elements of one 64-column panel of the tile
     u64 = numba.uint64
-    ITERS = -(-ROWS * CHUNKS // THREADS)
-    EXACT = ROWS * CHUNKS % THREADS == 0
-    U_CHUNKS, U_THREADS, U_TOTAL = np.uint64(CHUNKS), np.uint64(THREADS), np.uint64(ROWS * CHUNKS)
-    U_DATA, U_PANEL = np.uint64(DATA_CHUNKS), np.uint64(ROWS * PANEL)
-    SAME_CHUNK = THREADS % CHUNKS == 0  # then a thread copies one chunk column, rows ROW_STEP apart
-    ROW_STEP = np.uint64(THREADS // CHUNKS)
 
-    def load_tile(smem, offset, src, b, h, start, seqlen, tid):
-        for it in range(ITERS):
-            c = u64(tid) + u64(it) * U_THREADS
-            if EXACT or c < U_TOTAL:
-                if SAME_CHUNK:  # one offset plus constants per iteration, not a division each
-                    r = u64(tid) // U_CHUNKS + u64(it) * ROW_STEP
-                    chunk = u64(tid) % U_CHUNKS
-                else:
-                    r = c // U_CHUNKS
-                    chunk = c % U_CHUNKS
-                row = u64(start) + r
-                nbytes = 16 if row < u64(seqlen) and (DATA_CHUNKS == CHUNKS or chunk < U_DATA) else 0
-                row = min(row, u64(seqlen - 1))  # a valid address even when nothing is read
-                col = min(chunk, U_DATA - u64(1)) * u64(8)
-                swizzled = ((chunk & u64(7)) ^ (r & u64(7))) << u64(3)  # chunk c of line r at c ^ (r % 8)
-                dst = u64(offset) + (chunk >> u64(3)) * U_PANEL + r * u64(PANEL) + swizzled
-                I.cp_async_16(smem, dst, src, (b, h, row, col), nbytes)
+    def swizzled_offset(offset, r, chunk):
+        """Chunk ``chunk`` of tile row ``r``: panel ``chunk // 8``, line ``r``, slot ``chunk ^ (r % 8)``."""
+        swizzled = ((chunk & u64(7)) ^ (r & u64(7))) << u64(3)
+        return u64(offset) + (chunk >> u64(3)) * U_PANEL + r * u64(PANEL) + swizzled
 
-    return device_function(load_tile)
+    return make_tc_tile_copier(ROWS, THREADS, D, D_PAD // 8, device_function(swizzled_offset))
 
 
 @functools.cache

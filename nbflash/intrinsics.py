@@ -47,6 +47,7 @@ __all__ = [
     "b_frag_index",
     "c_frag_index",
     "cp_async_16",
+    "cp_async_16_at",
     "cp_async_commit",
     "cp_async_wait",
     "cp_async_wait_all",
@@ -63,6 +64,7 @@ __all__ = [
     "ldmatrix_x4_trans",
     "mma_m16n8k16_bf16",
     "mma_m16n8k16_f16",
+    "pinned_u32",
     "pack_bf16x2",
     "pack_f16x2",
     "red_add_f32",
@@ -425,11 +427,50 @@ def _sim_cp_async_16(dst, dst_offset, src, src_index, src_bytes=16):
         count = -(-n // dtype.itemsize)
         vals = np.array([src[idx[:-1] + (idx[-1] + e,)] for e in range(count)], dtype=dtype)
         chunk[:n] = vals.view(np.uint8)[:n]
+    _sim_start_copy(dst, start, chunk)
+
+
+def _sim_start_copy(dst, start, chunk):
+    """Land ``chunk`` at byte ``start`` of ``dst`` now, or queue it until the wait that covers its group."""
     if SIM_CP_ASYNC_LANDS_AT_WAIT:
         dst.reshape(-1).view(np.uint8)[start : start + 16] = 0xFF  # in flight: not the old tile, not the new
         _sim_cp_async_queue().open.append((dst, start, chunk))
     else:
         _sim_land([(dst, start, chunk)])
+
+
+def _sim_cp_async_16_at(dst, dst_offset, address, src_bytes=16):
+    """:func:`cp_async_16` from a global address: 16 bytes from ``address`` to ``dst[dst_offset]``.
+
+    PTX: ``cp.async.cg.shared.global [dst], [address], 16, src_bytes``; sm_80 or newer.
+
+    ``address`` comes from :func:`global_address` plus byte offsets (16-byte
+    aligned; the 16 bytes lie along the contiguous last axis of the array it
+    points into).  A tile loader computes one address per tile and reaches
+    the next rows it copies by adding a row stride: two integer additions per
+    chunk instead of a four-index address computation.  ``src_bytes`` as in
+    :func:`cp_async_16` (0: read nothing, write 16 zero bytes).
+
+    Simulator: ``address`` is the simulator's address object, which checks
+    that the bytes read lie inside the array and are aligned.
+    """
+    start = int(dst_offset) * dst.itemsize
+    if start % 16:
+        raise ValueError(f"cp.async destination {start} (element {dst_offset}) is not 16-byte aligned")
+    chunk = np.zeros(16, dtype=np.uint8)
+    n = min(int(src_bytes), 16)
+    if n > 0:  # with src-size 0 the source is not read at all
+        src = address.array
+        if (src.ctypes.data + address.offset) % 16:
+            raise ValueError(f"cp.async source {src.ctypes.data + address.offset:#x} is not 16-byte aligned")
+        count = -(-n // src.itemsize)
+        idx = address._index(address.offset)
+        last = len(idx) - 1  # (the simulator's shape tuples refuse negative indices)
+        if src.strides[last] != src.itemsize or idx[last] + count > src.shape[last]:
+            raise IndexError(f"16 bytes from element {idx} do not lie along the last axis of the {src.shape} array")
+        vals = np.array([src[idx[:last] + (idx[last] + e,)] for e in range(count)], dtype=src.dtype)
+        chunk[:n] = vals.view(np.uint8)[:n]
+    _sim_start_copy(dst, start, chunk)
 
 
 def _sim_cp_async_commit():
@@ -536,6 +577,20 @@ def _sim_red_add_f32x4(arr, index, v0, v1, v2, v3):
             arr[(*lead, last + i)] += np.float32(value)
 
 
+def _sim_pinned_u32(x):
+    """``x`` as a uint32 that the optimiser must compute where it stands.
+
+    PTX: a ``mov.b32`` in a ``volatile`` inline ``asm``; any compute
+    capability.  Whatever is derived from the result stays where the code
+    puts it: LLVM cannot hoist it out of a loop as loop-invariant, and keep it
+    in registers for the whole loop.  A tile copy inside a key loop derives its
+    addresses from a pinned thread index, so that they cost registers only
+    while the copy is issued (the tensor-core kernels run at 255 registers).
+    Simulator: ``x`` itself.
+    """
+    return np.uint32(x)
+
+
 def _sim_ex2_approx(x):
     """2**x in float32 by the special-function unit, subnormals flushed to zero.
 
@@ -594,7 +649,8 @@ class _SimGlobalAddress:
 
 
 def _sim_global_address(array, index):
-    """The 64-bit ``.global`` address of ``array[index]`` in bytes, for :func:`red_add_f32` and :func:`red_add_f32x2`.
+    """The 64-bit ``.global`` address of ``array[index]`` in bytes, for :func:`red_add_f32`, :func:`red_add_f32x2`
+    and :func:`cp_async_16_at`.
 
     ``array``: a global array (strided layouts are fine; element strides must
     be positive); ``index``: an integer or a tuple of non-negative integers,
@@ -790,6 +846,23 @@ def _gpu_cp_async_16(typingctx, dst, dst_offset, src, src_index, src_bytes=None)
 
 
 @intrinsic
+def _gpu_cp_async_16_at(typingctx, dst, dst_offset, address, src_bytes):
+    if not (_is_flat_array(dst) and _is_int(dst_offset, address, src_bytes)):
+        return None
+    sig = types.void(dst, dst_offset, address, src_bytes)
+
+    def codegen(context, builder, sig, args):
+        d = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        s = context.cast(builder, args[2], sig.args[2], types.int64)
+        n = context.cast(builder, args[3], sig.args[3], types.uint32)
+        _asm(builder, ir.VoidType(), [_I32, _I64, _I32], "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+             "r,l,r,~{memory}", [d, s, n], side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def _gpu_cp_async_commit(typingctx):
     def codegen(context, builder, sig, args):
         _asm(builder, ir.VoidType(), [], "cp.async.commit_group;", "~{memory}", [], side_effect=True)
@@ -871,6 +944,19 @@ def _gpu_ex2_approx(typingctx, x):
     def codegen(context, builder, sig, args):
         v = context.cast(builder, args[0], sig.args[0], types.float32)
         return _asm(builder, _F32, [_F32], "ex2.approx.ftz.f32 $0, $1;", "=f,f", [v])
+
+    return sig, codegen
+
+
+@intrinsic
+def _gpu_pinned_u32(typingctx, x):
+    if not _is_int(x):
+        return None
+    sig = types.uint32(x)
+
+    def codegen(context, builder, sig, args):
+        v = context.cast(builder, args[0], sig.args[0], types.uint32)
+        return _asm(builder, _I32, [_I32], "mov.b32 $0, $1;", "=r,r", [v], side_effect=True)
 
     return sig, codegen
 
@@ -959,6 +1045,7 @@ mma_m16n8k16_bf16 = _public(_sim_mma_m16n8k16_bf16, lambda: _make_gpu_mma("bf16"
 ldmatrix_x4 = _public(_sim_ldmatrix_x4, lambda: _make_gpu_ldmatrix(trans=False))
 ldmatrix_x4_trans = _public(_sim_ldmatrix_x4_trans, lambda: _make_gpu_ldmatrix(trans=True))
 cp_async_16 = _public(_sim_cp_async_16, lambda: _gpu_cp_async_16)
+cp_async_16_at = _public(_sim_cp_async_16_at, lambda: _gpu_cp_async_16_at)
 cp_async_commit = _public(_sim_cp_async_commit, lambda: _gpu_cp_async_commit)
 cp_async_wait = _public(_sim_cp_async_wait, lambda: _gpu_cp_async_wait)
 cp_async_wait_all = _public(_sim_cp_async_wait_all, lambda: _gpu_cp_async_wait_all)
@@ -968,6 +1055,7 @@ unpack_f16x2 = _public(_sim_unpack_f16x2, lambda: _make_gpu_unpack("f16"))
 unpack_bf16x2 = _public(_sim_unpack_bf16x2, lambda: _make_gpu_unpack("bf16"))
 ex2_approx = _public(_sim_ex2_approx, lambda: _gpu_ex2_approx)
 global_address = _public(_sim_global_address, lambda: _gpu_global_address)
+pinned_u32 = _public(_sim_pinned_u32, lambda: _gpu_pinned_u32)
 red_add_f32 = _public(_sim_red_add_f32, lambda: _gpu_red_add_f32)
 red_add_f32x2 = _public(_sim_red_add_f32x2, lambda: _gpu_red_add_f32x2)
 red_add_f32x4 = _public(_sim_red_add_f32x4, lambda: _gpu_red_add_f32x4)

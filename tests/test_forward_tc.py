@@ -145,6 +145,14 @@ def test_forward_tc_pv_in_two_loop_nests(xp, rng, kind, kv_pipeline):
     run_and_check(xp, rng, 45, 101, 128, kind, True, cfg=cfg, heads=1)
 
 
+@pytest.mark.parametrize("d,q_in_regs,qk_unroll,kind", [(48, False, 2, "bfloat16"), (64, True, 1, "float16")])
+def test_forward_tc_qk_unrolled(xp, rng, d, q_in_regs, qk_unroll, kind):
+    """S = Q Kᵀ as straight-line groups of k-steps (``qk_unroll``), the last group shorter when the k-steps do
+    not divide (D = 48: 3 k-steps in groups of 2); Q from registers or re-read per k-step."""
+    cfg = F.TCConfig(32, 16, d, kind, q_in_regs=q_in_regs, qk_unroll=qk_unroll, kv_pipeline="split")
+    run_and_check(xp, rng, 37, 21, d, kind, True, cfg=cfg, heads=1)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_pipeline", ["double", "split"])
 @pytest.mark.parametrize("d", [64, 128])
@@ -164,6 +172,8 @@ def test_split_pipeline_shared_memory():
         assert F.shared_bytes(cfg) - F.shared_bytes(split) == 2 * 64 * cfg.pitch * 2  # one K and one V buffer
     with pytest.raises(ValueError, match="kv_pipeline"):
         F.TCConfig(32, 16, 64, "float16", kv_pipeline="triple")
+    with pytest.raises(ValueError, match="qk_unroll"):
+        F.TCConfig(32, 16, 64, "float16", qk_unroll=-1)
 
 
 def test_can_implement_rejects_misaligned_rows():

@@ -326,6 +326,87 @@ def test_cp_async_zero_fills_ragged_tail(rng, seqlen, tail_bytes):
     np.testing.assert_array_equal(out, expect)
 
 
+@functools.cache
+def cp_async_at_kernel():
+    """The tile of :func:`cp_async_kernel` through ``cp_async_16_at``: one global address per lane, computed
+    once from a (pinned) row index, and the lane's next row reached by adding the row stride in bytes.
+
+    Lanes 0..15 own chunk ``lane % 2`` of rows ``lane // 2`` and ``lane // 2 + 8`` of a 16-row tile; rows
+    past ``seqlen`` copy 0 bytes (their address is not read, and the kernel does not clamp it: that is the
+    zero-fill contract, and the simulator's address object fails a read outside the array)."""
+
+    @kernel
+    def cp_async_at_tile(src, b, h, seqlen, out):  # src: (batch, seq, head, dim)
+        lane = cuda.threadIdx.x
+        smem = cuda.shared.array(2 * CP_SMEM, numba.uint16, alignment=SMEM_ALIGN)
+        for e in range(lane, 2 * CP_SMEM, 32):
+            smem[e] = SENTINEL
+        cuda.syncthreads()
+        if lane < 2 * CP_ROWS:
+            row = numba.int64(I.pinned_u32(lane)) // 2
+            col = (lane % 2) * 8
+            address = I.global_address(src, (b, min(row, seqlen - 1), h, col))
+            step = src.strides[1] * CP_ROWS  # bytes from row r to row r + 8
+            for half in range(2):
+                r = row + half * CP_ROWS
+                nbytes = 16 if r < seqlen else 0
+                I.cp_async_16_at(smem, r * CP_PITCH + col, address + half * step, nbytes)
+        I.cp_async_commit()
+        I.cp_async_wait_all()
+        cuda.syncthreads()  # the copies are visible to other threads after the wait and a barrier
+        for e in range(lane, 2 * CP_ROWS * CP_D, 32):
+            out[e // CP_D, e % CP_D] = smem[(e // CP_D) * CP_PITCH + e % CP_D]
+
+    return cp_async_at_tile
+
+
+@pytest.mark.parametrize("seqlen", [16, 11, 8, 3])
+def test_cp_async_at_copies_rows_by_address(rng, seqlen):
+    """Rows below seqlen arrive from the address plus row strides; the rest are zero-filled; a strided source."""
+    src = rng.integers(1, 2**16, size=(2, max(seqlen, 9), 3, CP_D), dtype=np.uint16)
+    out = np.zeros((2 * CP_ROWS, CP_D), dtype=np.uint16)
+    launch(cp_async_at_kernel(), src, 1, 2, seqlen, out)
+    expect = np.zeros((2 * CP_ROWS, CP_D), dtype=np.uint16)
+    expect[:seqlen] = src[1, :seqlen, 2]
+    np.testing.assert_array_equal(out, expect)
+
+
+@functools.cache
+def cp_async_at_one_kernel():
+    """One thread: 16 bytes from ``src[row, col]`` plus ``extra`` bytes to ``smem[dst]``, then to ``out``."""
+
+    @kernel
+    def cp_async_at_one(src, row, col, extra, dst, nbytes, out):
+        smem = cuda.shared.array(64, numba.uint16, alignment=SMEM_ALIGN)
+        for e in range(64):
+            smem[e] = SENTINEL
+        I.cp_async_16_at(smem, dst, I.global_address(src, (row, col)) + extra, nbytes)
+        I.cp_async_commit()
+        I.cp_async_wait_all()
+        for e in range(64):
+            out[e] = smem[e]
+
+    return cp_async_at_one
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the simulator's address checks")
+def test_cp_async_at_rejects_reads_outside_or_misaligned():
+    src = np.arange(1, 4 * CP_D + 1, dtype=np.uint16).reshape(4, CP_D)
+    out = np.zeros(64, dtype=np.uint16)
+    k = cp_async_at_one_kernel()
+    k[1, 1](src, 3, 8, 0, 8, 16, out)  # the array's last chunk
+    np.testing.assert_array_equal(out[8:16], src[3, 8:])
+    assert (out[:8] == SENTINEL).all() and (out[16:] == SENTINEL).all()
+    with pytest.raises(IndexError):
+        k[1, 1](src, 3, 8, 16, 0, 16, out)  # one chunk past the end
+    with pytest.raises(ValueError, match="aligned"):
+        k[1, 1](src, 0, 1, 0, 0, 16, out)  # a misaligned source
+    with pytest.raises(ValueError, match="aligned"):
+        k[1, 1](src, 0, 0, 0, 3, 16, out)  # a misaligned destination
+    k[1, 1](src, 3, 8, 10**6, 0, 0, out)  # 0 bytes: the source is not read, 16 zero bytes land
+    assert not out[:8].any() and (out[8:] == SENTINEL).all()
+
+
 # ----------------------------------------------------------------------------
 # Packing, unpacking, ex2
 # ----------------------------------------------------------------------------
@@ -551,6 +632,8 @@ def compile_targets():
     out.append(("cp_async", cp_async_kernel(), (arr(u16, 4), types.int64, types.int64, types.int64, types.int64,
                                                 arr(u16, 2)),
                 ["cp.async.cg.shared.global", "cp.async.commit_group", "cp.async.wait_group 0", "cp.async.wait_all"]))
+    out.append(("cp_async_at", cp_async_at_kernel(), (arr(u16, 4, "A"), i64, i64, i64, arr(u16, 2)),
+                ["cp.async.cg.shared.global", "mov.b32"]))
     out.append(("convert", convert_kernel(), (arr(f32, 2), arr(u32, 2), arr(f32, 2), arr(f32, 1)),
                 ["cvt.rn.f16x2.f32", "cvt.rn.bf16x2.f32", "ex2.approx.ftz.f32"]))
     red_sig = (arr(f32, 4, "A"), i64, i64, arr(f32, 3))
@@ -570,6 +653,7 @@ SASS = {
     "ldmatrix_float16": ["LDSM.16.M88.4", "LDSM.16.MT88.4", "HMMA.16816.F32"],
     "ldmatrix_bfloat16": ["LDSM.16.M88.4", "LDSM.16.MT88.4", "HMMA.16816.F32.BF16"],
     "cp_async": ["LDGSTS", "LDGSTS.E.BYPASS.128.ZFILL", "LDGDEPBAR", "DEPBAR"],
+    "cp_async_at": ["LDGSTS.E.BYPASS.128.ZFILL"],
     "convert": ["F2FP.F16.F32.PACK_AB", "F2FP.BF16.F32.PACK_AB", "MUFU.EX2"],
     "red_scalar": ["REDG.E.ADD.F32.FTZ.RN"],  # a global reduction: no ATOM, no generic-address (QSPC) fallback
     "red_v2": ["REDG.E.ADD.F32x2.FTZ.RN"],
