@@ -273,6 +273,7 @@ def test_ldmatrix_rejects_a_misaligned_row():
 
 CP_ROWS, CP_D, CP_PITCH = 8, 16, 24
 CP_SMEM = CP_ROWS * CP_PITCH
+CP_SMEM_2 = 2 * CP_SMEM  # two such tiles (cp_async_at_kernel)
 SENTINEL = 0xAAAA
 
 
@@ -338,8 +339,8 @@ def cp_async_at_kernel():
     @kernel
     def cp_async_at_tile(src, b, h, seqlen, out):  # src: (batch, seq, head, dim)
         lane = cuda.threadIdx.x
-        smem = cuda.shared.array(2 * CP_SMEM, numba.uint16, alignment=SMEM_ALIGN)
-        for e in range(lane, 2 * CP_SMEM, 32):
+        smem = cuda.shared.array(CP_SMEM_2, numba.uint16, alignment=SMEM_ALIGN)
+        for e in range(lane, CP_SMEM_2, 32):
             smem[e] = SENTINEL
         cuda.syncthreads()
         if lane < 2 * CP_ROWS:
@@ -653,7 +654,7 @@ SASS = {
     "ldmatrix_float16": ["LDSM.16.M88.4", "LDSM.16.MT88.4", "HMMA.16816.F32"],
     "ldmatrix_bfloat16": ["LDSM.16.M88.4", "LDSM.16.MT88.4", "HMMA.16816.F32.BF16"],
     "cp_async": ["LDGSTS", "LDGSTS.E.BYPASS.128.ZFILL", "LDGDEPBAR", "DEPBAR"],
-    "cp_async_at": ["LDGSTS.E.BYPASS.128.ZFILL"],
+    "cp_async_at": ["LDGSTS.E.BYPASS.128"],  # a 0-or-16 byte count becomes a predicate, not .ZFILL
     "convert": ["F2FP.F16.F32.PACK_AB", "F2FP.BF16.F32.PACK_AB", "MUFU.EX2"],
     "red_scalar": ["REDG.E.ADD.F32.FTZ.RN"],  # a global reduction: no ATOM, no generic-address (QSPC) fallback
     "red_v2": ["REDG.E.ADD.F32x2.FTZ.RN"],
