@@ -82,7 +82,7 @@ from dataclasses import dataclass
 
 from . import intrinsics as I
 from ._device import SIMULATOR, cuda, device_function, kernel, launch, max_shared_per_block, numba, shfl_xor
-from ._tiles import LN2, LOG2E, make_padded_offset, make_storer, make_tc_tile_copier
+from ._tiles import LN2, LOG2E, make_padded_offset, make_tc_tile_copier
 from ._validate import tile_rows_problem
 from .masking import d_key_range, d_row_key_end, d_tile_needs_mask
 
@@ -198,25 +198,7 @@ def fragment_steps(n_tiles: int, d_tiles: int, head_dim: int, input_kind: str):
     NEG_INF = numba.float32(-math.inf)  # a float32 constant: a Python float would make the softmax float64
     ZERO = numba.float32(0)
     FULL = 0xFFFFFFFF
-    pack = I.pack_f16x2 if input_kind == "float16" else I.pack_bf16x2
-    to_out = make_storer(input_kind)
-
-    if input_kind == "float16":
-
-        def store_pair(o, b, h, row, col, x, y):
-            """o[b, h, row, col : col + 2] = x, y rounded to float16."""
-            o[b, h, row, col] = to_out(x)
-            o[b, h, row, col + 1] = to_out(y)
-
-    else:
-
-        def store_pair(o, b, h, row, col, x, y):
-            """o[b, h, row, col : col + 2] = x, y rounded to bfloat16 bits by one cvt.rn.bf16x2.f32."""
-            w = pack(x, y)  # x in the low half
-            o[b, h, row, col] = numba.uint16(w & 0xFFFF)
-            o[b, h, row, col + 1] = numba.uint16(w >> 16)
-
-    store_pair = device_function(store_pair)
+    pack = I.pack_f16x2 if input_kind == "float16" else I.pack_bf16x2  # two outputs, the first in the low half
 
     def init_rows(m_i, l_i, acc):
         """m_i = -inf, l_i = 0, acc = 0."""
@@ -291,9 +273,12 @@ def fragment_steps(n_tiles: int, d_tiles: int, head_dim: int, input_kind: str):
             l_row += shfl_xor(FULL, l_row, 2)
             if row < seqlen_q:
                 inv_l = numba.float32(1) / l_row if l_row > 0 else ZERO
+                # Each pair of adjacent outputs (columns 8·dt + 2t, + 1) is one 32-bit store, at a constant
+                # offset from the thread's first column of the row.
+                address = I.global_address(o, (b, h, row, 2 * t))
                 for dt in range(D_TILES):
                     if 8 * dt < D:
-                        store_pair(o, b, h, row, 8 * dt + 2 * t, acc[dt, 2 * r] * inv_l, acc[dt, 2 * r + 1] * inv_l)
+                        I.st_global_b32(address + 16 * dt, pack(acc[dt, 2 * r] * inv_l, acc[dt, 2 * r + 1] * inv_l))
                 if t == 0:
                     lse[b, h, row] = m_i[r] * LN2 + math.log(l_row) if l_row > 0 else NEG_INF
 

@@ -70,6 +70,7 @@ __all__ = [
     "red_add_f32",
     "red_add_f32x2",
     "red_add_f32x4",
+    "st_global_b32",
     "unpack_bf16x2",
     "unpack_f16x2",
 ]
@@ -681,6 +682,26 @@ def _sim_red_add(address, values, align):
             address.array[idx] = _ftz(_ftz(address.array[idx]) + _ftz(v))
 
 
+def _sim_st_global_b32(address, bits):
+    """Store 32 bits at a global address: ``*(uint32 *) address = bits``.
+
+    PTX: ``st.global.b32 [address], bits``; any compute capability.
+    ``address`` comes from :func:`global_address` plus byte offsets (4-byte
+    aligned).  The tensor-core epilogue writes each pair of adjacent outputs
+    (two float16 or bfloat16 values packed by :func:`pack_f16x2` /
+    :func:`pack_bf16x2`, the first in the low half) with one of these, from a
+    row address computed once, instead of two 2-byte stores each with a
+    4-index address.  Simulator: the two 16-bit elements (or one 32-bit
+    element) of the array at that address, bounds and alignment checked.
+    """
+    src = address.array
+    if (src.ctypes.data + address.offset) % 4:
+        raise ValueError(f"st.global.b32 address {src.ctypes.data + address.offset:#x} is not 4-byte aligned")
+    parts = np.array([bits], dtype=np.uint32).view(np.dtype(src.dtype))
+    for e, part in enumerate(parts):
+        src[address._index(address.offset + e * src.itemsize)] = part
+
+
 def _sim_red_add_f32(address, x):
     """``*address += x`` atomically in float32; nothing is returned (a reduction, not an ``atom``).
 
@@ -991,6 +1012,22 @@ def _gpu_red_add_f32(typingctx, address, x):
 
 
 @intrinsic
+def _gpu_st_global_b32(typingctx, address, bits):
+    if not _is_int(address, bits):
+        return None
+    sig = types.void(address, bits)
+
+    def codegen(context, builder, sig, args):
+        a = context.cast(builder, args[0], sig.args[0], types.int64)
+        b = context.cast(builder, args[1], sig.args[1], types.uint32)
+        _asm(builder, ir.VoidType(), [_I64, _I32], "st.global.b32 [$0], $1;", "l,r,~{memory}", [a, b],
+             side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def _gpu_red_add_f32x2(typingctx, address, x, y):
     if not (_is_int(address) and _is_number(x, y)):
         return None
@@ -1057,5 +1094,6 @@ ex2_approx = _public(_sim_ex2_approx, lambda: _gpu_ex2_approx)
 global_address = _public(_sim_global_address, lambda: _gpu_global_address)
 pinned_u32 = _public(_sim_pinned_u32, lambda: _gpu_pinned_u32)
 red_add_f32 = _public(_sim_red_add_f32, lambda: _gpu_red_add_f32)
+st_global_b32 = _public(_sim_st_global_b32, lambda: _gpu_st_global_b32)
 red_add_f32x2 = _public(_sim_red_add_f32x2, lambda: _gpu_red_add_f32x2)
 red_add_f32x4 = _public(_sim_red_add_f32x4, lambda: _gpu_red_add_f32x4)

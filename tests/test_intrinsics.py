@@ -604,6 +604,40 @@ def test_red_add_f32x4_adds_every_lane(rng):
     np.testing.assert_array_equal(acc, want)
 
 
+@functools.cache
+def store_pairs_kernel():
+    """Lane l packs (x[l, 0], x[l, 1]) to bfloat16 and stores the pair at row l // 4, columns 2·(l % 4) + {0, 1}
+    of out[1, :, 2, :] (a (batch, seq, head, dim) array): one row address, then constant byte offsets."""
+
+    @kernel
+    def store_pairs(x, out):
+        lane = cuda.threadIdx.x
+        address = I.global_address(out, (1, lane // 4, 2, 0))
+        I.st_global_b32(address + 4 * (lane % 4), I.pack_bf16x2(x[lane, 0], x[lane, 1]))
+
+    return store_pairs
+
+
+def test_st_global_b32_stores_packed_pairs(rng):
+    x = rng.standard_normal((32, 2)).astype(np.float32)
+    out = np.full((2, 8, 3, 8), SENTINEL, dtype=np.uint16)
+    launch(store_pairs_kernel(), x, out)
+    want = np.full_like(out, SENTINEL)
+    want[1, :, 2, :] = I.f32_to_bf16_bits(x).reshape(8, 8)  # lane 4g + t: row g, columns 2t, 2t + 1
+    np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the simulator's address checks")
+def test_st_global_b32_rejects_misaligned_or_outside():
+    out = np.zeros((4, 8), dtype=np.uint16)
+    with pytest.raises(ValueError, match="aligned"):
+        I.st_global_b32(I.global_address(out, (0, 1)), 7)
+    with pytest.raises(IndexError):
+        I.st_global_b32(I.global_address(out, (3, 6)) + 4, 7)
+    I.st_global_b32(I.global_address(out, (3, 6)), 0x00020001)  # the last pair: low half first
+    assert out[3, 6] == 1 and out[3, 7] == 2 and out.sum() == 3
+
+
 # ----------------------------------------------------------------------------
 # Offline GPU compilation: NVVM → PTX → ptxas (→ SASS), no GPU needed
 # ----------------------------------------------------------------------------
@@ -635,6 +669,7 @@ def compile_targets():
                 ["cp.async.cg.shared.global", "cp.async.commit_group", "cp.async.wait_group 0", "cp.async.wait_all"]))
     out.append(("cp_async_at", cp_async_at_kernel(), (arr(u16, 4, "A"), i64, i64, i64, arr(u16, 2)),
                 ["cp.async.cg.shared.global", "mov.b32"]))
+    out.append(("st_global_b32", store_pairs_kernel(), (arr(f32, 2), arr(u16, 4, "A")), ["st.global.b32"]))
     out.append(("convert", convert_kernel(), (arr(f32, 2), arr(u32, 2), arr(f32, 2), arr(f32, 1)),
                 ["cvt.rn.f16x2.f32", "cvt.rn.bf16x2.f32", "ex2.approx.ftz.f32"]))
     red_sig = (arr(f32, 4, "A"), i64, i64, arr(f32, 3))
@@ -654,7 +689,8 @@ SASS = {
     "ldmatrix_float16": ["LDSM.16.M88.4", "LDSM.16.MT88.4", "HMMA.16816.F32"],
     "ldmatrix_bfloat16": ["LDSM.16.M88.4", "LDSM.16.MT88.4", "HMMA.16816.F32.BF16"],
     "cp_async": ["LDGSTS", "LDGSTS.E.BYPASS.128.ZFILL", "LDGDEPBAR", "DEPBAR"],
-    "cp_async_at": ["LDGSTS.E.BYPASS.128"],  # a 0-or-16 byte count becomes a predicate, not .ZFILL
+    "cp_async_at": ["LDGSTS.E.BYPASS.128"],
+    "st_global_b32": ["STG.E"],  # a 0-or-16 byte count becomes a predicate, not .ZFILL
     "convert": ["F2FP.F16.F32.PACK_AB", "F2FP.BF16.F32.PACK_AB", "MUFU.EX2"],
     "red_scalar": ["REDG.E.ADD.F32.FTZ.RN"],  # a global reduction: no ATOM, no generic-address (QSPC) fallback
     "red_v2": ["REDG.E.ADD.F32x2.FTZ.RN"],
