@@ -336,8 +336,8 @@ def attention_backward(
         backend: ``"auto"`` (for float16/bfloat16: on a Hopper GPU (9.x)
             the wgmma backward of :mod:`nbflash.backward_wgmma` at head dims
             that are multiples of 8 up to 128 — measured 1.03–1.25× SDPA's
-            FlashAttention-2 backward on the H200 at D = 128 and 0.91–1.13× at
-            D = 64 (N ≥ 1k), against 0.63–0.85× for the ``mma.sync`` one;
+            FlashAttention-2 backward on the H200 at D = 128 and 0.91–1.16× at
+            D = 64 (N ≥ 1k), against 0.63–0.94× for the ``mma.sync`` one;
             else the tensor-core backward of
             :mod:`nbflash.backward_tc` at head dims that are multiples of 16 up
             to 128 on an sm_80+ GPU; the SIMT one otherwise), ``"simt"`` or

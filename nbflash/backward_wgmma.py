@@ -81,7 +81,9 @@ softmax) reached 99–204.  Three buffers per streamed tile bought 1–3 % in th
 dQ kernel and lost in dK/dV, whose accumulators then cross tiles in registers
 (255 and spills at D = 128; 251 instead of 168 at D = 64).  Next: a producer
 warpgroup as in the forward, and one kernel with dQ by atomics
-(FlashAttention-3's layout).
+(FlashAttention-3's layout).  With the shared tile copier's short path
+(3f5a8c4, ``tc-backward-…-copier.json``, bf16): 234 / 309 / 333 at D = 128,
+1.11–1.15× FlashAttention-2; 0.97–1.16× at D = 64; 0.60–0.69× cuDNN.
 """
 
 from __future__ import annotations

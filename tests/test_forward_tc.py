@@ -15,6 +15,7 @@ local memory and no spills.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -26,6 +27,9 @@ import pytest
 
 from nbflash import forward_tc as F
 from nbflash import intrinsics as I
+from nbflash._device import SIMULATOR, cuda, kernel, numba
+from nbflash._device import launch as launch_kernel
+from nbflash._tiles import make_padded_offset, make_tc_tile_copier
 from nbflash.reference import attention_ref, causal_mask
 
 
@@ -160,6 +164,51 @@ def test_forward_tc_gpu_configuration(xp, rng, d, kv_pipeline):
     """The tiles the GPU would use (4 warps; 64 or 32 keys), at a size that crosses them; in both pipelines."""
     cfg = with_pipeline(F.choose_config(d, "bfloat16", simulator=False), kv_pipeline)
     run_and_check(xp, rng, 70, cfg.block_n + 5, d, "bfloat16", True, cfg=cfg, heads=1)
+
+
+SMEM_ALIGN = None if SIMULATOR else 16
+
+
+@functools.cache
+def copier_kernel(rows, threads, head_dim, chunks, pitch):
+    """Copy rows [start, start + rows) of src[b, h] into a padded shared tile with the tensor-core tile copier
+    (both its paths), then write the whole shared tile (padding columns and rows past the end included) out."""
+    copy = make_tc_tile_copier(rows, threads, head_dim, chunks, make_padded_offset(pitch))
+    size = rows * pitch
+
+    @kernel
+    def copy_tile(src, b, h, start, out):
+        tid = cuda.threadIdx.x
+        smem = cuda.shared.array(size, numba.uint16, alignment=SMEM_ALIGN)  # cp.async: 16-byte aligned rows
+        for e in range(tid, size, threads):
+            smem[e] = 0xAAAA  # what the copy must overwrite
+        cuda.syncthreads()
+        copy(smem, 0, src, b, h, start, src.shape[2], tid)
+        I.cp_async_commit()
+        I.cp_async_wait_all()
+        cuda.syncthreads()  # every thread's copies are visible
+        for e in range(tid, size, threads):
+            out[e // pitch, e % pitch] = smem[e]
+
+    return copy_tile
+
+
+@pytest.mark.parametrize("head_dim,chunks,threads", [(64, 8, 32), (40, 6, 32), (40, 8, 32), (24, 4, 64)])
+@pytest.mark.parametrize("start,seqlen", [(0, 16), (16, 37), (32, 37), (0, 5)])
+def test_tc_tile_copier_whole_and_ragged_tiles(xp, rng, head_dim, chunks, threads, start, seqlen):
+    """A whole tile (the short path: one address, row strides) and a ragged one (rows past the end zero-filled),
+    head-dim padding zero-filled, threads a multiple of the chunk count or not; a strided (bshd) source."""
+    rows, pitch = 16, 8 * chunks + 8
+    data = rng.integers(1, 2**16, size=(2, seqlen, 3, head_dim), dtype=np.uint16)  # (batch, seq, head, dim)
+    src = xp.asarray(data).transpose(0, 2, 1, 3)  # the kernel's (batch, head, seq, dim) view: rows H·D apart
+    out = xp.zeros((rows, pitch), dtype=np.uint16)
+    launch_kernel(copier_kernel(rows, threads, head_dim, chunks, pitch), 1, threads, 0, 0, src, 1, 2, start, out)
+    out = _host(out)
+    want = np.full((rows, pitch), 0xAAAA, dtype=np.uint16)
+    want[:, : 8 * chunks] = 0
+    n = max(0, min(rows, seqlen - start))
+    want[:n, :head_dim] = data[1, start : start + n, 2]
+    np.testing.assert_array_equal(out, want)
 
 
 def test_split_pipeline_shared_memory():

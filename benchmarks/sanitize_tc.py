@@ -1,0 +1,33 @@
+"""The tensor-core kernels at ragged sizes, a short run for ``compute-sanitizer`` (the full set: sanitize.py).
+
+    compute-sanitizer --tool memcheck python benchmarks/sanitize_tc.py
+
+The ``mma.sync`` forward at head dims 40, 64, 128 and 256 and its backward at 64 and 128 (both dQ routes),
+and on a Hopper GPU the ``wgmma`` forward and backward defaults at 40, 64 and 128: bshd views, ragged
+K/V (seqlen_q ≠ seqlen_k), causal with rows that see no key — whole tiles take the tile copier's short
+path, the last ones its general path, and every output goes through the packed-pair epilogue.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import cupy as cp  # noqa: E402
+
+import nbflash  # noqa: E402
+
+hopper = nbflash._device.compute_capability()[0] == 9
+for d in (40, 64, 128, 256):
+    x = cp.random.standard_normal((1, 150, 2, d)).astype(cp.float16)
+    kv = x[:, :131]
+    o, lse = nbflash.attention(x, kv, kv, causal=True, layout="bshd", return_lse=True, backend="tensor_core")
+    if d in (64, 128):
+        for det in (True, False):
+            nbflash.attention_backward(x, x, kv, kv, o, lse, causal=True, layout="bshd", deterministic=det,
+                                       backend="tensor_core")
+    if hopper and d <= 128:
+        o, lse = nbflash.attention(x, kv, kv, causal=True, layout="bshd", return_lse=True, backend="wgmma")
+        nbflash.attention_backward(x, x, kv, kv, o, lse, causal=True, layout="bshd", backend="wgmma")
+cp.cuda.Device().synchronize()
+print("sanitize_tc: all kernels ran")
