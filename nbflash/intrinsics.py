@@ -417,22 +417,26 @@ def _sim_cp_async_16(dst, dst_offset, src, src_index, src_bytes=16):
     Simulator: the copy happens at once; commit and wait do nothing — unless
     :data:`SIM_CP_ASYNC_LANDS_AT_WAIT` makes it land at the wait.
     """
+
+    def read(n):
+        dtype = np.dtype(src.dtype)
+        idx = tuple(src_index) if isinstance(src_index, tuple) else (src_index,)
+        count = -(-n // dtype.itemsize)
+        return np.array([src[idx[:-1] + (idx[-1] + e,)] for e in range(count)], dtype=dtype).view(np.uint8)[:n]
+
+    _sim_copy_chunk(dst, dst_offset, src_bytes, read)
+
+
+def _sim_copy_chunk(dst, dst_offset, src_bytes, read):
+    """Start one 16-byte copy to ``dst[dst_offset]``: ``read(n)`` returns the ``n`` source bytes (not called
+    when ``n`` is 0), the rest of the 16 are zero.  It lands now, or at the wait that covers its group."""
     start = int(dst_offset) * dst.itemsize
     if start % 16:
         raise ValueError(f"cp.async destination {start} (element {dst_offset}) is not 16-byte aligned")
     chunk = np.zeros(16, dtype=np.uint8)
     n = min(int(src_bytes), 16)
     if n > 0:  # with src-size 0 the source is not read at all
-        dtype = np.dtype(src.dtype)
-        idx = tuple(src_index) if isinstance(src_index, tuple) else (src_index,)
-        count = -(-n // dtype.itemsize)
-        vals = np.array([src[idx[:-1] + (idx[-1] + e,)] for e in range(count)], dtype=dtype)
-        chunk[:n] = vals.view(np.uint8)[:n]
-    _sim_start_copy(dst, start, chunk)
-
-
-def _sim_start_copy(dst, start, chunk):
-    """Land ``chunk`` at byte ``start`` of ``dst`` now, or queue it until the wait that covers its group."""
+        chunk[:n] = read(n)
     if SIM_CP_ASYNC_LANDS_AT_WAIT:
         dst.reshape(-1).view(np.uint8)[start : start + 16] = 0xFF  # in flight: not the old tile, not the new
         _sim_cp_async_queue().open.append((dst, start, chunk))
@@ -455,12 +459,8 @@ def _sim_cp_async_16_at(dst, dst_offset, address, src_bytes=16):
     Simulator: ``address`` is the simulator's address object, which checks
     that the bytes read lie inside the array and are aligned.
     """
-    start = int(dst_offset) * dst.itemsize
-    if start % 16:
-        raise ValueError(f"cp.async destination {start} (element {dst_offset}) is not 16-byte aligned")
-    chunk = np.zeros(16, dtype=np.uint8)
-    n = min(int(src_bytes), 16)
-    if n > 0:  # with src-size 0 the source is not read at all
+
+    def read(n):
         src = address.array
         if (src.ctypes.data + address.offset) % 16:
             raise ValueError(f"cp.async source {src.ctypes.data + address.offset:#x} is not 16-byte aligned")
@@ -470,8 +470,9 @@ def _sim_cp_async_16_at(dst, dst_offset, address, src_bytes=16):
         if src.strides[last] != src.itemsize or idx[last] + count > src.shape[last]:
             raise IndexError(f"16 bytes from element {idx} do not lie along the last axis of the {src.shape} array")
         vals = np.array([src[idx[:last] + (idx[last] + e,)] for e in range(count)], dtype=src.dtype)
-        chunk[:n] = vals.view(np.uint8)[:n]
-    _sim_start_copy(dst, start, chunk)
+        return vals.view(np.uint8)[:n]
+
+    _sim_copy_chunk(dst, dst_offset, src_bytes, read)
 
 
 def _sim_cp_async_commit():
@@ -956,30 +957,28 @@ def _make_gpu_unpack(kind):
     return intrinsic(unpack)
 
 
-@intrinsic
-def _gpu_ex2_approx(typingctx, x):
-    if not _is_number(x):
-        return None
-    sig = types.float32(x)
+def _make_gpu_unary(name: str, ptx: str, value_type, value_ok, side_effect: bool = False):
+    """An intrinsic ``op(x)``: the one PTX instruction ``ptx`` ($0 = f($1)) on a float32 or uint32 value;
+    ``side_effect`` makes it ``volatile`` (computed where it stands, never hoisted or merged)."""
+    ir_type, c = (_F32, "f") if value_type == types.float32 else (_I32, "r")
 
-    def codegen(context, builder, sig, args):
-        v = context.cast(builder, args[0], sig.args[0], types.float32)
-        return _asm(builder, _F32, [_F32], "ex2.approx.ftz.f32 $0, $1;", "=f,f", [v])
+    def op(typingctx, x):
+        if not value_ok(x):
+            return None
+        sig = value_type(x)
 
-    return sig, codegen
+        def codegen(context, builder, sig, args):
+            v = context.cast(builder, args[0], sig.args[0], value_type)
+            return _asm(builder, ir_type, [ir_type], ptx, f"={c},{c}", [v], side_effect=side_effect)
+
+        return sig, codegen
+
+    op.__name__ = op.__qualname__ = name
+    return intrinsic(op)
 
 
-@intrinsic
-def _gpu_pinned_u32(typingctx, x):
-    if not _is_int(x):
-        return None
-    sig = types.uint32(x)
-
-    def codegen(context, builder, sig, args):
-        v = context.cast(builder, args[0], sig.args[0], types.uint32)
-        return _asm(builder, _I32, [_I32], "mov.b32 $0, $1;", "=r,r", [v], side_effect=True)
-
-    return sig, codegen
+_gpu_ex2_approx = _make_gpu_unary("ex2_approx", "ex2.approx.ftz.f32 $0, $1;", types.float32, _is_number)
+_gpu_pinned_u32 = _make_gpu_unary("pinned_u32", "mov.b32 $0, $1;", types.uint32, _is_int, side_effect=True)
 
 
 @intrinsic
@@ -995,36 +994,31 @@ def _gpu_global_address(typingctx, array, index):
     return sig, codegen
 
 
-@intrinsic
-def _gpu_red_add_f32(typingctx, address, x):
-    if not (_is_int(address) and _is_number(x)):
-        return None
-    sig = types.void(address, x)
+def _make_gpu_address_op(name: str, ptx: str, value_type, value_ok):
+    """An intrinsic ``op(address, value)`` that is the one PTX instruction ``ptx`` ($0: the 64-bit global
+    address, $1: the value, cast to ``value_type``: float32 or uint32), kept in place as a memory operation."""
+    ir_type, constraint = (_F32, "f") if value_type == types.float32 else (_I32, "r")
 
-    def codegen(context, builder, sig, args):
-        a = context.cast(builder, args[0], sig.args[0], types.int64)
-        v = context.cast(builder, args[1], sig.args[1], types.float32)
-        _asm(builder, ir.VoidType(), [_I64, _F32], "red.global.add.f32 [$0], $1;", "l,f,~{memory}", [a, v],
-             side_effect=True)
-        return context.get_dummy_value()
+    def op(typingctx, address, value):
+        if not (_is_int(address) and value_ok(value)):
+            return None
+        sig = types.void(address, value)
 
-    return sig, codegen
+        def codegen(context, builder, sig, args):
+            a = context.cast(builder, args[0], sig.args[0], types.int64)
+            v = context.cast(builder, args[1], sig.args[1], value_type)
+            _asm(builder, ir.VoidType(), [_I64, ir_type], ptx, f"l,{constraint},~{{memory}}", [a, v],
+                 side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    op.__name__ = op.__qualname__ = name
+    return intrinsic(op)
 
 
-@intrinsic
-def _gpu_st_global_b32(typingctx, address, bits):
-    if not _is_int(address, bits):
-        return None
-    sig = types.void(address, bits)
-
-    def codegen(context, builder, sig, args):
-        a = context.cast(builder, args[0], sig.args[0], types.int64)
-        b = context.cast(builder, args[1], sig.args[1], types.uint32)
-        _asm(builder, ir.VoidType(), [_I64, _I32], "st.global.b32 [$0], $1;", "l,r,~{memory}", [a, b],
-             side_effect=True)
-        return context.get_dummy_value()
-
-    return sig, codegen
+_gpu_red_add_f32 = _make_gpu_address_op("red_add_f32", "red.global.add.f32 [$0], $1;", types.float32, _is_number)
+_gpu_st_global_b32 = _make_gpu_address_op("st_global_b32", "st.global.b32 [$0], $1;", types.uint32, _is_int)
 
 
 @intrinsic
