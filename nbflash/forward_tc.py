@@ -378,12 +378,14 @@ def forward_tc_kernel(cfg: TCConfig):
     load_q_frags, mma_into = (device_function(f) for f in (load_q_frags, mma_into))
     qk_product, pv_product = (device_function(f) for f in (qk_product, pv_product))
 
+    QK_GROUP = cfg.qk_unroll or K_STEPS  # k-steps per call of qk_product (all of them: one loop)
+
     def qk_steps_from(first):
-        """S += Q_i K_jᵀ over the k-steps [first, K_STEPS) as straight-line code: one call of
-        :func:`qk_product` per k-step, each with constant bounds (NVVM leaves a loop of 128 products rolled)."""
+        """S += Q_i K_jᵀ over the k-steps [first, K_STEPS): one call of :func:`qk_product` per group of
+        QK_GROUP k-steps, each with constant bounds, chained as straight-line code."""
         if first >= K_STEPS:
             return None
-        end = min(first + cfg.qk_unroll, K_STEPS)
+        end = min(first + QK_GROUP, K_STEPS)
         rest = qk_steps_from(end)
 
         def qk_steps(S0, S1, qf0, qf1, smem, k_base, q_lane):
@@ -393,10 +395,7 @@ def forward_tc_kernel(cfg: TCConfig):
 
         return device_function(qk_steps)
 
-    def qk_loop(S0, S1, qf0, qf1, smem, k_base, q_lane):
-        qk_product(S0, S1, qf0, qf1, smem, k_base, q_lane, 0, K_STEPS)
-
-    qk_all = qk_steps_from(0) if cfg.qk_unroll else device_function(qk_loop)
+    qk_all = qk_steps_from(0)
     init_rows, mask_scores, online_softmax, p_frags, write_rows, _, _ = fragment_steps(N_TILES, D_TILES, D,
                                                                                         cfg.input_kind)
 

@@ -842,6 +842,12 @@ def _make_gpu_ldmatrix(trans):
     return intrinsic(ldmatrix)
 
 
+def _emit_cp_async_zfill(builder, shared_address, global_address, src_bytes):
+    """``cp.async`` of 16 bytes, ``src_bytes`` of them read and the rest zero-filled (both cp.async forms)."""
+    _asm(builder, ir.VoidType(), [_I32, _I64, _I32], "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+         "r,l,r,~{memory}", [shared_address, global_address, src_bytes], side_effect=True)
+
+
 @intrinsic
 def _gpu_cp_async_16(typingctx, dst, dst_offset, src, src_index, src_bytes=None):
     idx_ok = _is_int(src_index) or (isinstance(src_index, types.BaseTuple) and _is_int(*src_index))
@@ -856,9 +862,7 @@ def _gpu_cp_async_16(typingctx, dst, dst_offset, src, src_index, src_bytes=None)
         d = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
         s = _global_address(context, builder, sig.args[2], args[2], sig.args[3], args[3])
         if zfill:
-            n = context.cast(builder, args[4], sig.args[4], types.uint32)
-            _asm(builder, ir.VoidType(), [_I32, _I64, _I32], "cp.async.cg.shared.global [$0], [$1], 16, $2;",
-                 "r,l,r,~{memory}", [d, s, n], side_effect=True)
+            _emit_cp_async_zfill(builder, d, s, context.cast(builder, args[4], sig.args[4], types.uint32))
         else:
             _asm(builder, ir.VoidType(), [_I32, _I64], "cp.async.cg.shared.global [$0], [$1], 16;",
                  "r,l,~{memory}", [d, s], side_effect=True)
@@ -876,9 +880,7 @@ def _gpu_cp_async_16_at(typingctx, dst, dst_offset, address, src_bytes):
     def codegen(context, builder, sig, args):
         d = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
         s = context.cast(builder, args[2], sig.args[2], types.int64)
-        n = context.cast(builder, args[3], sig.args[3], types.uint32)
-        _asm(builder, ir.VoidType(), [_I32, _I64, _I32], "cp.async.cg.shared.global [$0], [$1], 16, $2;",
-             "r,l,r,~{memory}", [d, s, n], side_effect=True)
+        _emit_cp_async_zfill(builder, d, s, context.cast(builder, args[3], sig.args[3], types.uint32))
         return context.get_dummy_value()
 
     return sig, codegen
