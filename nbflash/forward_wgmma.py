@@ -122,6 +122,7 @@ import numpy as np
 
 from . import hopper as HW
 from . import intrinsics as I
+from . import tma as T
 from ._device import (
     SIMULATOR,
     compute_capability,
@@ -136,7 +137,7 @@ from ._device import (
 from ._tiles import LOG2E, make_tc_tile_copier
 from ._validate import tile_rows_problem
 from .forward_tc import fragment_steps
-from .forward_tc import kernel_signature as kernel_signature  # the same arguments: q, k, v, o, lse, scale, causal
+from .forward_tc import kernel_signature as tc_kernel_signature
 from .masking import d_key_range, d_tile_needs_mask
 
 __all__ = [
@@ -152,6 +153,7 @@ __all__ = [
 PANEL = 64  # head-dim columns per 128-byte swizzled line
 PIPELINES = ("plain", "overlap", "pingpong", "ws", "ws-overlap")
 PRODUCER_THREADS = 128  # the ws pipeline's copying warpgroup
+COPIES = ("cp.async", "tma")  # the ws producer's copy instructions
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,7 @@ class WGConfig:
     input_kind: str  # "float16" or "bfloat16"
     pipeline: str = "overlap"  # one of PIPELINES: the schedules of the module docstring
     stages: int = 2  # K/V buffers of the warp-specialised pipelines ("ws": 2 to 4, "ws-overlap": 3 or 4)
+    copies: str = "cp.async"  # how the ws producer copies: "cp.async" (16 bytes per thread) or "tma" (one box each)
 
     def __post_init__(self):
         if self.block_m not in (64, 128, 192):
@@ -189,6 +192,11 @@ class WGConfig:
         if self.pipeline == "ws-overlap" and self.stages not in (3, 4):
             raise ValueError(f"the ws-overlap pipeline has 3 or 4 K/V stages (a tile is released only after the "
                              f"next tile's S is computed), got stages={self.stages}")
+        if self.copies not in COPIES:
+            raise ValueError(f"copies must be one of {COPIES}, got {self.copies!r}")
+        if self.copies == "tma" and not self.warp_specialized:
+            raise ValueError(f"TMA copies are issued by the producer of a ws pipeline, not by the {self.pipeline} "
+                             "pipeline")
         if not self.warp_specialized and self.stages != 2:
             raise ValueError(f"stages applies to the ws pipeline only (the {self.pipeline} pipeline fixes its "
                              f"buffers), got stages={self.stages}")
@@ -330,6 +338,32 @@ def forward_wgmma_kernel(cfg: WGConfig):
     init_rows, mask_scores, online_softmax, p_frags, write_rows, softmax_rows, rescale_rows = steps
 
     LOAD_THREADS = PRODUCER_THREADS if WS else THREADS  # ws: only the producer warpgroup copies
+    TMA = cfg.copies == "tma"  # ws: the producer's first thread copies whole boxes, mbarriers count the bytes
+    PANELS = D_PAD // PANEL  # TMA boxes per tile: one per 64-column panel (columns past D arrive as zeros)
+    Q_BYTES, KV_BYTES = BLOCK_M * D_PAD * 2, 2 * BLOCK_N * D_PAD * 2  # bytes of Q_i, of K_j and V_j together
+
+    @device_function
+    def issue_tile(smem, maps, bars, b, h, q_start, tile, stage, with_q):
+        """TMA: K_tile and V_tile (and Q_i with the first tile) into ``stage``, one box per 64-column panel; one
+        arrival announcing all their bytes at ``bars[stage]``, whose phase completes when the last byte lands."""
+        T.mbarrier_arrive_expect_tx(bars, stage, KV_BYTES + (Q_BYTES if with_q else 0))
+        for p in range(PANELS):
+            if with_q:
+                T.tma_load_4d(smem, p * BLOCK_M * PANEL, maps[0], PANEL * p, q_start, h, b, bars, stage)
+            T.tma_load_4d(smem, K_OFF + stage * KV_STRIDE + p * BLOCK_N * PANEL, maps[1], PANEL * p,
+                          tile * BLOCK_N, h, b, bars, stage)
+            T.tma_load_4d(smem, V_OFF + stage * KV_STRIDE + p * BLOCK_N * PANEL, maps[2], PANEL * p,
+                          tile * BLOCK_N, h, b, bars, stage)
+
+    @device_function
+    def wait_full(bars, j):
+        """ws, a consumer: wait until stage j % STAGES holds tile j (K_j, V_j; Q_i with tile 0)."""
+        if TMA:
+            # The (j // STAGES)-th use of the stage: phases 0, 1, 0, ... of its mbarrier.
+            while not T.mbarrier_try_wait_parity(bars, j % STAGES, (j // STAGES) % 2):
+                pass
+        else:
+            HW.named_barrier_sync(FULL + j % STAGES, HANDSHAKE)
     load_q = swizzled_tile_loader(BLOCK_M, LOAD_THREADS, D)
     load_kv = swizzled_tile_loader(BLOCK_N, LOAD_THREADS, D)
 
@@ -387,7 +421,7 @@ def forward_wgmma_kernel(cfg: WGConfig):
 
     # ws: 384 threads, so ptxas must keep to 65536 / 384 = 168 registers per thread (the launch bounds)
     @kernel(fastmath=True, launch_bounds=(THREADS, 1) if WS else None)
-    def flash_forward_wgmma(q, k, v, o, lse, qk_scale_log2, causal):
+    def flash_forward_wgmma(q, k, v, o, lse, qk_scale_log2, causal, maps):
         """One block: O_i and lse_i for BLOCK_M queries of one (batch, head)."""
         seqlen_q = q.shape[2]
         seqlen_k = k.shape[2]
@@ -405,6 +439,7 @@ def forward_wgmma_kernel(cfg: WGConfig):
         t = lane % 4  # ... and columns 2t, 2t + 1 of every 8-column tile
         row0 = q_start + 16 * (tid // 32)  # the warp's first row
         smem = cuda.shared.array(0, numba.uint16, alignment=SMEM_ALIGN)
+        bars = cuda.shared.array(STAGES, numba.uint64)  # TMA: one mbarrier per K/V stage ("its tile has landed")
 
         S = cuda.local.array((N_TILES, 4), numba.float32)  # S (then P), this thread's part
         acc = cuda.local.array((D_TILES, 4), numba.float32)  # O accumulators
@@ -432,7 +467,30 @@ def forward_wgmma_kernel(cfg: WGConfig):
                     load_kv(smem, V_OFF, v, b, h, 0, seqlen_k, tid)
             I.cp_async_commit()
 
-        if producer:
+        if TMA:
+            if tid == CONSUMERS:  # the producer's first thread issues every copy; one arrival per phase
+                for stage in range(STAGES):
+                    T.mbarrier_init(bars, stage, 1)
+                T.fence_mbarrier_init()  # ... visible to the TMA unit (the async proxy) too
+            cuda.syncthreads()  # the barriers are initialised before any thread waits on them
+
+        if producer and TMA:
+            # ws with TMA: the producer's first thread issues one box per panel of each tile, its other threads
+            # only join the EMPTY handshakes.  Tiles 0 .. STAGES - 2 first (Q_i with tile 0).
+            issuer = tid == CONSUMERS
+            for tile in range(STAGES - 1):
+                if issuer and tile < n_tiles:
+                    issue_tile(smem, maps, bars, b, h, q_start, tile, tile, tile == 0)
+            for j in range(n_tiles):
+                tile = j + STAGES - 1  # the tile that goes into the stage tile j - 1 occupied
+                if tile < n_tiles:
+                    if j > 0:
+                        # Both warpgroups have waited for their last wgmma reading tile j - 1 (K_{j-1}, V_{j-1}).
+                        HW.named_barrier_sync(EMPTY + (j - 1) % STAGES, HANDSHAKE)
+                    if issuer:
+                        issue_tile(smem, maps, bars, b, h, q_start, tile, tile % STAGES, tile == 0)
+
+        if producer and not TMA:
             # ws, the producer warpgroup only copies.  Tiles 0 .. STAGES - 2 first (Q_i with tile 0), one group each.
             ptid = tid - CONSUMERS
             if n_tiles > 0:
@@ -469,7 +527,7 @@ def forward_wgmma_kernel(cfg: WGConfig):
             k_start = j * BLOCK_N
             stage = j % STAGES
             # ws, a consumer warpgroup: the producer has released stage j % STAGES (K_j, V_j; Q_i with tile 0).
-            HW.named_barrier_sync(FULL + stage, HANDSHAKE)
+            wait_full(bars, j)
 
             # S = Q_i K_jᵀ in my turn.  The turns alternate strictly, one product each: S(wg0), S(wg1), PV(wg0),
             # PV(wg1), S(wg0) of the next tile ...; so one warpgroup's softmax runs under the other's product.
@@ -485,7 +543,7 @@ def forward_wgmma_kernel(cfg: WGConfig):
         for j in range(n_tiles if WSO and not producer else 0):
             k_start = j * BLOCK_N
             stage = j % STAGES
-            HW.named_barrier_sync(FULL + stage, HANDSHAKE)  # K_j, V_j (and Q_i with tile 0) have landed
+            wait_full(bars, j)  # K_j, V_j (and Q_i with tile 0) have landed
 
             # In my turn: S_j = Q_i K_jᵀ and O += P_{j-1} V_{j-1}, two groups; the other warpgroup's pair follows.
             HW.named_barrier_sync(mine, PAIR)
@@ -715,6 +773,9 @@ def can_implement(cfg: WGConfig, *arrays) -> tuple[bool, str]:
         return False, f"needs {need} bytes of shared memory per block, the device allows {limit}"
     # o too: the epilogue writes each pair of outputs with one 32-bit store (aligned rows, as for the copies)
     why = tile_rows_problem(cfg.head_dim, "qkvo", arrays, copied=4)
+    if not why and cfg.copies == "tma":  # a tensor map's strides (rows, heads, batches) are whole 16-byte units
+        why = next((f"{name}'s strides must be multiples of 16 bytes for TMA, got {a.strides}"
+                    for name, a in zip("qkv", arrays, strict=False) if any(s % 16 for s in a.strides[:3])), "")
     return not why, why
 
 
@@ -730,8 +791,35 @@ def launch_forward_wgmma(cfg: WGConfig, q, k, v, o, lse, scale: float, causal: b
         raise ValueError(f"wgmma forward configuration {cfg} cannot run: {why}")
     batch, heads, seqlen_q, _ = q.shape
     grid = (-(-seqlen_q // cfg.block_m), heads, batch)
-    args = (q, k, v, o, lse, float(scale * LOG2E), bool(causal))
+    args = (q, k, v, o, lse, float(scale * LOG2E), bool(causal), tensor_maps(cfg, q, k, v))
     launch(forward_wgmma_kernel(cfg), grid, (cfg.threads, 1, 1), stream, shared_bytes(cfg), *args)
+
+
+def kernel_signature(cfg: WGConfig):
+    """The Numba argument types of the kernel: the ``mma.sync`` kernel's (q, k, v, o, lse, scale, causal), then
+    the tensor maps of q, k, v (:func:`tensor_maps`)."""
+    from numba import types
+
+    return (*tc_kernel_signature(cfg), types.Array(types.uint8, 2, "C"))
+
+
+@functools.cache
+def _no_maps(device: int):
+    """The ``maps`` argument of the configurations that copy with cp.async: 3 × 128 bytes, never read."""
+    if SIMULATOR:
+        return np.zeros((3, T.TENSOR_MAP_BYTES), np.uint8)
+    import cupy as cp
+
+    with cp.cuda.Device(device):
+        return cp.zeros((3, T.TENSOR_MAP_BYTES), np.uint8)
+
+
+def tensor_maps(cfg: WGConfig, q, k, v):
+    """The kernel's ``maps``: TMA tensor maps of q (boxes of block_m rows), k and v (block_n rows) × 64 columns,
+    128-byte swizzled, when ``cfg.copies == "tma"``; else a placeholder."""
+    if cfg.copies != "tma":
+        return _no_maps(0 if SIMULATOR else __import__("cupy").cuda.Device().id)
+    return T.stacked_maps([(q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n)], PANEL)
 
 
 def compile_targets():

@@ -77,13 +77,14 @@ def test_forward_wgmma_two_warpgroups_bshd(xp, rng, pipeline):
 @pytest.mark.parametrize("pipeline,stages,kind,causal,n_q,n_k", [
     ("ws", 2, "bfloat16", True, 130, 75), ("ws", 3, "float16", False, 70, 83), ("ws", 4, "bfloat16", True, 9, 100),
     ("ws-overlap", 3, "float16", True, 130, 75), ("ws-overlap", 4, "bfloat16", False, 40, 110)])
-def test_forward_wgmma_warp_specialized(xp, rng, pipeline, stages, kind, causal, n_q, n_k):
+@pytest.mark.parametrize("copies", ["cp.async", "tma"])
+def test_forward_wgmma_warp_specialized(xp, rng, pipeline, stages, kind, causal, n_q, n_k, copies):
     """The ws pipelines: a producer warpgroup copies K/V tiles into ``stages`` buffers and hands them over through
     named barriers (FULL / EMPTY), the two warpgroups take turns (ws-overlap: each also overlaps its softmax with
     its own P V).  Copies land only at the producer's wait, so a
     stage read before its FULL handshake or refilled before its EMPTY one is NaN here.  Sizes cross the stages
     more than once (up to 7 key tiles of 16), with ragged tails, a query block whose rows see no key, and bshd."""
-    cfg = W.WGConfig(128, 16, 64, kind, pipeline, stages=stages)
+    cfg = W.WGConfig(128, 16, 64, kind, pipeline, stages=stages, copies=copies)
     run_and_check(xp, rng, n_q, n_k, 64, kind, causal, cfg=cfg, layout="bshd", heads=1, launch=launch)
 
 

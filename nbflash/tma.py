@@ -1,0 +1,520 @@
+"""Hopper's tensor memory accelerator (TMA) and the mbarriers that count its bytes, from Python.
+
+``cp.async`` (:mod:`nbflash.intrinsics`) copies 16 bytes per thread and
+instruction: a 128 × 128 half-precision tile is 2048 instructions, each with
+its own address arithmetic, spread over the threads that issue them.  The TMA
+unit copies a whole *box* of a tensor with **one** instruction issued by **one**
+thread: the shape, strides and bounds of the tensor live in a 128-byte
+*tensor map* made once on the host; the kernel names only the box's
+coordinates.  Rows past the end of the tensor arrive as zeros (a ragged tail
+costs nothing), and the box lands in shared memory already in the 128-byte
+swizzled layout that ``wgmma`` descriptors read (:mod:`nbflash.hopper`).
+
+Completion is counted in bytes by an **mbarrier**, a 64-bit object in shared
+memory with a *phase*:
+
+* :func:`mbarrier_init` sets the number of arrivals a phase waits for;
+* :func:`mbarrier_arrive_expect_tx` is one arrival that also announces how
+  many bytes are coming; each TMA copy names the barrier and, as its bytes
+  land, lowers that count (``complete_tx``);
+* the phase completes when every arrival came and every announced byte
+  landed; its parity (0, 1, 0, …) flips, and :func:`mbarrier_try_wait_parity`
+  (``parity`` = the parity of the phase waited for) starts returning True.
+
+One stage of a pipeline, per tile::
+
+    thread 0:     arrive_expect_tx(bar, bytes) ; tma_load_4d(smem, ..., bar)   # issue and go on
+    every thread: while not try_wait_parity(bar, phase): pass                   # the tile is in smem
+                  ... read the tile (ldmatrix, wgmma) ...;  phase ^= 1 on the next use of bar
+
+Unlike ``cp.async``, nothing is waited per thread and no barrier over the
+block is needed to publish the tile: the mbarrier *is* the hand-over, and the
+bytes are written through the async proxy, so a ``wgmma`` may read them
+without a proxy fence.
+
+The tensor map (:func:`make_tensor_map`)
+========================================
+
+Made with the driver's ``cuTensorMapEncodeTiled`` (through ``cuda.bindings``)
+for a 4-D ``(batch, heads, rows, D)`` array of 16-bit elements whose last axis
+is contiguous (both of nbflash's layouts: ``bshd`` is a strided view), as the
+TMA sees it, innermost first::
+
+    dims     (D, rows, heads, batch)          element strides 1, 1, 1, 1
+    strides  (row, head, batch) in bytes      each a multiple of 16
+    box      (box_cols, box_rows, 1, 1)       box_cols · 2 = 128 bytes with the 128-byte swizzle
+
+The copy of box ``(c0, c1, c2, c3)`` = (first column, first row, head, batch)
+writes ``box_rows`` rows of ``box_cols · 2`` bytes; with
+:data:`SWIZZLE_128B` the 16-byte chunk c of row r lands at chunk
+``c ^ (r % 8)`` — :func:`nbflash.hopper.kmajor_sw128_offset`'s layout, so a
+D = 64 tile is one box and a D = 128 tile is two (columns 0..63 and 64..127,
+each its own 64-column panel).  Elements outside the tensor are zero; the
+transaction count is the whole box, in bounds or not.
+
+The map is passed to a kernel as a 128-byte ``uint8`` device array (a
+``.global`` tensor map: the PTX ISA allows ``.param``, ``.const`` or
+``.global``; Numba cannot declare a ``__grid_constant__`` parameter, and a map
+written before the launch needs no proxy fence).
+
+The simulator
+=============
+
+The map's first 8 bytes are a key into a table of the host-side description
+(array, box, swizzle); :func:`tma_load_4d` reads the box at issue time
+(zeros outside the tensor) and writes it, in the swizzled layout, when the
+barrier's phase completes — as late as the hardware may.  The mbarrier is a counter per block and address with
+the hardware's rules (arrivals, announced bytes, phase parity); a wait on a
+barrier nobody initialised is an error.
+
+PTX: ``mbarrier.init``, ``mbarrier.arrive.expect_tx``, ``mbarrier.arrive``,
+``mbarrier.try_wait.parity`` (PTX ISA 9.7.13.15), ``fence.mbarrier_init``,
+``cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes``
+(9.7.9.25.5.1); sm_90.  The tensor map: CUDA driver API
+``cuTensorMapEncodeTiled``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+
+from ._device import SIMULATOR, _sim_lock, intrinsic
+from .hopper import (
+    SWIZZLE_128B,
+    SWIZZLE_NONE,
+    _sim_block_fenced,
+    _sim_block_state,
+    _sim_smem_address,
+    kmajor_sw128_offset,
+)
+from .intrinsics import _I32, _I64, _asm, _global_address, _is_flat_array, _is_int, _shared_address
+
+__all__ = [
+    "TensorMap",
+    "fence_mbarrier_init",
+    "make_tensor_map",
+    "mbarrier_arrive",
+    "mbarrier_arrive_expect_tx",
+    "mbarrier_init",
+    "mbarrier_try_wait_parity",
+    "stacked_maps",
+    "tma_load_4d",
+]
+
+TENSOR_MAP_BYTES = 128
+
+
+# ----------------------------------------------------------------------------
+# The tensor map (host)
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """A TMA tensor map of a 4-D array: ``map`` (128 bytes, a device array) goes to the kernel.
+
+    ``source`` keeps the described array alive as long as the map.
+    """
+
+    map: object
+    source: object
+    box_rows: int
+    box_cols: int
+    swizzle: int
+
+    @property
+    def box_bytes(self) -> int:
+        """Bytes one :func:`tma_load_4d` of this map brings (its transaction count)."""
+        return self.box_rows * self.box_cols * 2
+
+
+_SIM_MAPS: dict[int, TensorMap] = {}
+_SIM_KEYS = itertools.count(1)
+
+
+def make_tensor_map(x, box_rows: int, box_cols: int, swizzle: int = SWIZZLE_128B) -> TensorMap:
+    """The tensor map of ``x`` (``(batch, heads, rows, D)``, 16-bit elements) for boxes of box_rows × box_cols.
+
+    ``swizzle``: :data:`~nbflash.hopper.SWIZZLE_128B` (then ``box_cols`` must
+    be 64: one 128-byte swizzled row per box row) or
+    :data:`~nbflash.hopper.SWIZZLE_NONE` (rows of ``box_cols`` elements,
+    a multiple of 8, stored densely).  ``x``'s last axis must be contiguous,
+    its other strides multiples of 16 bytes, its start 16-byte aligned; a
+    CuPy array on the GPU, a NumPy array in the simulator.
+    """
+    if x.ndim != 4 or x.dtype.itemsize != 2:
+        raise ValueError(f"x must be a 4-D array of 16-bit elements, got shape {x.shape} of {x.dtype}")
+    if any(s == 0 for s in x.shape):
+        raise ValueError(f"x must not be empty, got shape {x.shape}")
+    if x.strides[3] != 2:
+        raise ValueError(f"x's last axis must be contiguous (stride 2 bytes), got strides {x.strides}")
+    if any(s % 16 or s <= 0 for s in x.strides[:3]):
+        raise ValueError(f"x's strides must be positive multiples of 16 bytes, got {x.strides}")
+    if swizzle == SWIZZLE_128B:
+        if box_cols != 64:
+            raise ValueError(f"with the 128-byte swizzle a box row is 64 elements, got box_cols={box_cols}")
+    elif swizzle == SWIZZLE_NONE:
+        if box_cols % 8 or not 0 < box_cols <= 256:
+            raise ValueError(f"box_cols must be a multiple of 8 up to 256, got {box_cols}")
+    else:
+        raise ValueError(f"swizzle must be SWIZZLE_128B or SWIZZLE_NONE, got {swizzle!r}")
+    if not 0 < box_rows <= 256:
+        raise ValueError(f"box_rows must be 1..256, got {box_rows}")
+    if SIMULATOR:
+        tmap = np.zeros(TENSOR_MAP_BYTES, np.uint8)
+        with _sim_lock:
+            key = next(_SIM_KEYS)
+        tmap[:8] = np.frombuffer(np.uint64(key).tobytes(), np.uint8)
+        result = TensorMap(tmap, x, box_rows, box_cols, swizzle)
+        _SIM_MAPS[key] = result
+        return result
+    address = x.data.ptr
+    if address % 16:
+        raise ValueError(f"x must start 16-byte aligned, got address {address:#x}")
+    import cupy as cp
+    from cuda.bindings import driver
+
+    batch, heads, rows, d = x.shape
+    err, encoded = driver.cuTensorMapEncodeTiled(
+        driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16,  # raw 16-bit words: f16 and bf16 alike
+        4,
+        address,
+        [d, rows, heads, batch],  # innermost first
+        [x.strides[2], x.strides[1], x.strides[0]],  # bytes, dims 1..3
+        [box_cols, box_rows, 1, 1],
+        [1, 1, 1, 1],
+        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B if swizzle == SWIZZLE_128B
+        else driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,  # zeros outside the tensor
+    )
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise ValueError(f"cuTensorMapEncodeTiled refused the map of shape {x.shape}, strides {x.strides}, "
+                         f"box {box_rows}×{box_cols}: {err}")
+    raw = np.array([int(w) for w in encoded.opaque], np.uint64).view(np.uint8)
+    return TensorMap(cp.asarray(raw), x, box_rows, box_cols, swizzle)  # CuPy allocations are 256-byte aligned
+
+
+_GPU_MAPS: dict[tuple, object] = {}
+_GPU_MAPS_LIMIT = 256
+
+
+def stacked_maps(specs, box_cols: int = 64, swizzle: int = SWIZZLE_128B):
+    """The tensor maps of ``specs`` (``(array, box_rows)`` pairs) as one ``(len(specs), 128)`` uint8 device array.
+
+    On the GPU the result is cached by each array's address, shape and strides
+    (a map describes exactly those, not the data), so a training loop's
+    repeated calls encode nothing; the cache holds no reference to the arrays.
+    """
+    if SIMULATOR:
+        return np.stack([make_tensor_map(x, rows, box_cols, swizzle).map for x, rows in specs])
+    import cupy as cp
+
+    key = (cp.cuda.Device().id, box_cols, swizzle,
+           *((x.data.ptr, x.shape, x.strides, x.dtype.itemsize, rows) for x, rows in specs))
+    maps = _GPU_MAPS.get(key)
+    if maps is None:
+        maps = cp.stack([make_tensor_map(x, rows, box_cols, swizzle).map for x, rows in specs])
+        # The copies to the device are asynchronous on CuPy's stream; a kernel on another stream must not read the
+        # maps before they land.
+        cp.cuda.get_current_stream().synchronize()
+        if len(_GPU_MAPS) >= _GPU_MAPS_LIMIT:
+            _GPU_MAPS.clear()
+        _GPU_MAPS[key] = maps
+    return maps
+
+
+# ----------------------------------------------------------------------------
+# Simulator
+# ----------------------------------------------------------------------------
+
+
+class _SimMbarrier:
+    """One mbarrier: the arrivals a phase waits for, those still missing, the bytes announced and not landed."""
+
+    def __init__(self, count):
+        self.cond = threading.Condition()
+        self.count = count
+        self.pending = count
+        self.tx = 0
+        self.phase = 0
+        self.copies = []  # (write, bytes) of the TMA copies issued in this phase, landed when it completes
+
+    def _maybe_complete(self):  # with self.cond held
+        """Complete the phase if every arrival came and the issued copies are all the bytes announced: the copies
+        land now, as late as the hardware may let them (a reader that skipped the wait sees the old bytes)."""
+        if self.pending == 0 and self.tx == sum(n for _, n in self.copies):
+            for write, _ in self.copies:
+                write()
+            self.copies = []
+            self.tx = 0
+            self.phase += 1
+            self.pending = self.count
+            self.cond.notify_all()
+
+
+def _sim_barrier_key(bars, index):
+    if not 0 <= int(index) < bars.size:
+        raise IndexError(f"mbarrier index {index} outside the array of {bars.size}")
+    if bars.dtype.itemsize != 8:
+        raise ValueError(f"an mbarrier is a 64-bit word: the array must be uint64/int64, got {bars.dtype}")
+    return bars.__array_interface__["data"][0] + 8 * int(index)
+
+
+def _sim_mbarrier(bars, index, create_count=None):
+    table = _sim_block_state("_nbflash_mbarriers", dict)
+    key = _sim_barrier_key(bars, index)
+    with _sim_lock:
+        if create_count is not None:
+            table[key] = _SimMbarrier(create_count)
+        bar = table.get(key)
+    if bar is None:
+        raise RuntimeError(f"mbarrier {index} is used before mbarrier_init")
+    return bar
+
+
+def _sim_mbarrier_init(bars, index, count):
+    """Make ``bars[index]`` (a ``uint64`` shared array) an mbarrier whose phases wait for ``count`` arrivals.
+
+    PTX: ``mbarrier.init.shared.b64 [bar], count``; sm_80+.  One thread
+    initialises; then :func:`fence_mbarrier_init` and a block barrier, before
+    any other thread or a TMA copy uses it.  Simulator: a fresh counter in
+    phase 0.
+    """
+    if not 0 < int(count) < 1 << 20:
+        raise ValueError(f"mbarrier count must be 1..2^20-1, got {count}")
+    _sim_mbarrier(bars, index, int(count))
+
+
+def _sim_fence_mbarrier_init():
+    """Make this thread's :func:`mbarrier_init` visible to the async proxy (the TMA unit).
+
+    PTX: ``fence.mbarrier_init.release.cluster``; sm_90.  Simulator: nothing
+    to do (the counters are shared Python objects).
+    """
+
+
+def _sim_mbarrier_arrive_expect_tx(bars, index, tx_bytes):
+    """One arrival at ``bars[index]`` that announces ``tx_bytes`` more bytes for the current phase.
+
+    PTX: ``mbarrier.arrive.expect_tx.shared::cta.b64 _, [bar], tx``; sm_90.
+    The thread that issues the TMA copies calls it once per phase with the
+    sum of their box bytes (:attr:`TensorMap.box_bytes`).
+    """
+    bar = _sim_mbarrier(bars, index)
+    with bar.cond:
+        bar.tx += int(tx_bytes)
+        bar.pending -= 1
+        bar._maybe_complete()
+
+
+def _sim_mbarrier_arrive(bars, index):
+    """One plain arrival at ``bars[index]`` (a consumer saying "I am done with this buffer").
+
+    PTX: ``mbarrier.arrive.shared::cta.b64 _, [bar]``; sm_80+.
+    """
+    bar = _sim_mbarrier(bars, index)
+    with bar.cond:
+        bar.pending -= 1
+        if bar.pending < 0:
+            raise RuntimeError("more arrivals at an mbarrier than its count")
+        bar._maybe_complete()
+
+
+def _sim_mbarrier_try_wait_parity(bars, index, parity):
+    """True once the phase of parity ``parity`` (0 or 1) of ``bars[index]`` has completed; False for now.
+
+    PTX: ``mbarrier.try_wait.parity.shared::cta.b64 p, [bar], parity``
+    (returned as 0/1); sm_90.  The hardware suspends the thread for a while
+    before answering False; call it in a loop::
+
+        while not mbarrier_try_wait_parity(bars, s, phase):
+            pass
+
+    Simulator: waits up to a millisecond for the phase, then answers.
+    """
+    if int(parity) not in (0, 1):
+        raise ValueError(f"parity must be 0 or 1, got {parity}")
+    bar = _sim_mbarrier(bars, index)
+    with bar.cond:
+        if bar.phase % 2 == int(parity):
+            bar.cond.wait(0.001)
+        return bar.phase % 2 != int(parity)
+
+
+def _sim_tma_load_4d(smem, offset, tmap, c0, c1, c2, c3, bars, index):
+    """Copy the box at (column c0, row c1, head c2, batch c3) of ``tmap``'s tensor into ``smem[offset:]``.
+
+    PTX: ``cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes
+    [dst], [map, {c0, c1, c2, c3}], [bar]``; sm_90.  Issued by one thread; it
+    returns at once, and the box's bytes complete on ``bars[index]`` as they
+    land.  ``smem``: a 16-bit shared array, ``offset`` in elements, the
+    destination 128-byte aligned (1024 with the 128-byte swizzle);
+    ``tmap``: :attr:`TensorMap.map`.  Coordinates may run past the tensor
+    (and below zero): those elements are zero.
+
+    Simulator: the box is read here and lands, in the map's layout (swizzled
+    like :func:`nbflash.hopper.kmajor_sw128_offset`), when the barrier's phase
+    completes — the latest moment the hardware allows, so that a thread that
+    reads without waiting sees the old bytes.
+    """
+    key = int(np.asarray([tmap[i] for i in range(8)], np.uint8).view(np.uint64)[0])
+    spec = _SIM_MAPS.get(key)
+    if spec is None:
+        raise ValueError("tma_load_4d: not a tensor map from make_tensor_map")
+    align = 1024 if spec.swizzle == SWIZZLE_128B else 128
+    address = int(_sim_smem_address(smem, offset))
+    if address % align:
+        raise ValueError(f"tma_load_4d: the shared destination must be {align}-byte aligned, got {address:#x}")
+    x = spec.source
+    rows, cols = spec.box_rows, spec.box_cols
+    box = np.zeros((rows, cols), np.uint16)
+    b, h, r0, col0 = int(c3), int(c2), int(c1), int(c0)
+    if 0 <= b < x.shape[0] and 0 <= h < x.shape[1]:
+        rr = np.arange(r0, r0 + rows)
+        cc = np.arange(col0, col0 + cols)
+        rin, cin = (rr >= 0) & (rr < x.shape[2]), (cc >= 0) & (cc < x.shape[3])
+        src = np.asarray(x[b, h]).view(np.uint16)
+        box[np.ix_(rin, cin)] = src[np.ix_(rr[rin], cc[cin])]
+    flat = smem.reshape(-1).view(np.uint16)
+    r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
+    if spec.swizzle == SWIZZLE_128B:
+        dst = np.vectorize(kmajor_sw128_offset)(r, c) // 2  # bytes → 16-bit elements
+    else:
+        dst = r * cols + c
+    if int(offset) + int(dst.max()) >= flat.size:
+        raise IndexError("tma_load_4d: the box runs past the end of the shared array")
+    where = int(offset) + dst
+
+    def write():
+        flat[where] = box
+
+    # These bytes come through the async proxy: a wgmma may read them with no proxy fence (the simulated wgmma's
+    # check for tiles written by ordinary stores does not apply to a block fed by TMA).
+    fenced = _sim_block_fenced()
+    with _sim_lock:
+        fenced[0] = True
+    bar = _sim_mbarrier(bars, index)
+    with bar.cond:
+        bar.copies.append((write, spec.box_bytes))
+        bar._maybe_complete()
+
+
+# ----------------------------------------------------------------------------
+# GPU: inline PTX
+# ----------------------------------------------------------------------------
+
+
+def _is_u64_array(ty):
+    return _is_flat_array(ty) and isinstance(ty.dtype, types.Integer) and ty.dtype.bitwidth == 64
+
+
+@intrinsic
+def _gpu_mbarrier_init(typingctx, bars, index, count):
+    if not (_is_u64_array(bars) and _is_int(index, count)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        bar = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        n = context.cast(builder, args[2], sig.args[2], types.uint32)
+        _asm(builder, ir.VoidType(), [_I32, _I32], "mbarrier.init.shared.b64 [$0], $1;", "r,r,~{memory}",
+             [bar, n], side_effect=True)
+        return context.get_dummy_value()
+
+    return types.void(bars, index, count), codegen
+
+
+@intrinsic
+def _gpu_fence_mbarrier_init(typingctx):
+    def codegen(context, builder, sig, args):
+        _asm(builder, ir.VoidType(), [], "fence.mbarrier_init.release.cluster;", "~{memory}", [], side_effect=True)
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@intrinsic
+def _gpu_mbarrier_arrive_expect_tx(typingctx, bars, index, tx_bytes):
+    if not (_is_u64_array(bars) and _is_int(index, tx_bytes)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        bar = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        tx = context.cast(builder, args[2], sig.args[2], types.uint32)
+        _asm(builder, ir.VoidType(), [_I32, _I32], "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;",
+             "r,r,~{memory}", [bar, tx], side_effect=True)
+        return context.get_dummy_value()
+
+    return types.void(bars, index, tx_bytes), codegen
+
+
+@intrinsic
+def _gpu_mbarrier_arrive(typingctx, bars, index):
+    if not (_is_u64_array(bars) and _is_int(index)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        bar = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        _asm(builder, ir.VoidType(), [_I32], "mbarrier.arrive.shared::cta.b64 _, [$0];", "r,~{memory}", [bar],
+             side_effect=True)
+        return context.get_dummy_value()
+
+    return types.void(bars, index), codegen
+
+
+@intrinsic
+def _gpu_mbarrier_try_wait_parity(typingctx, bars, index, parity):
+    if not (_is_u64_array(bars) and _is_int(index, parity)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        bar = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        p = context.cast(builder, args[2], sig.args[2], types.uint32)
+        done = _asm(builder, _I32, [_I32, _I32],
+                    "{ .reg .pred done; mbarrier.try_wait.parity.shared::cta.b64 done, [$1], $2; "
+                    "selp.u32 $0, 1, 0, done; }", "=r,r,r,~{memory}", [bar, p], side_effect=True)
+        return builder.icmp_unsigned("!=", done, ir.Constant(_I32, 0))
+
+    return types.boolean(bars, index, parity), codegen
+
+
+@intrinsic
+def _gpu_tma_load_4d(typingctx, smem, offset, tmap, c0, c1, c2, c3, bars, index):
+    if not (_is_flat_array(smem) and isinstance(tmap, types.Array) and _is_u64_array(bars)
+            and _is_int(offset, c0, c1, c2, c3, index)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        dst = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        map_address = _global_address(context, builder, sig.args[2], args[2], types.intp,
+                                      ir.Constant(ir.IntType(64), 0))
+        coords = [context.cast(builder, a, t, types.int32) for a, t in zip(args[3:7], sig.args[3:7], strict=True)]
+        bar = _shared_address(context, builder, sig.args[7], args[7], sig.args[8], args[8])
+        _asm(builder, ir.VoidType(), [_I32, _I64, _I32, _I32, _I32, _I32, _I32],
+             "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+             "[$0], [$1, {$2, $3, $4, $5}], [$6];", "r,l,r,r,r,r,r,~{memory}",
+             [dst, map_address, *coords, bar], side_effect=True)
+        return context.get_dummy_value()
+
+    return types.void(smem, offset, tmap, c0, c1, c2, c3, bars, index), codegen
+
+
+def _public(sim, gpu):
+    impl = sim if SIMULATOR else gpu
+    impl.__doc__ = sim.__doc__
+    return impl
+
+
+mbarrier_init = _public(_sim_mbarrier_init, _gpu_mbarrier_init)
+fence_mbarrier_init = _public(_sim_fence_mbarrier_init, _gpu_fence_mbarrier_init)
+mbarrier_arrive_expect_tx = _public(_sim_mbarrier_arrive_expect_tx, _gpu_mbarrier_arrive_expect_tx)
+mbarrier_arrive = _public(_sim_mbarrier_arrive, _gpu_mbarrier_arrive)
+mbarrier_try_wait_parity = _public(_sim_mbarrier_try_wait_parity, _gpu_mbarrier_try_wait_parity)
+tma_load_4d = _public(_sim_tma_load_4d, _gpu_tma_load_4d)
