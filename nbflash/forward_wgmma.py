@@ -104,6 +104,18 @@ leave 168 registers per thread; the producer needs few, but Numba's
 linked compile gives ptxas no way to move them (``setmaxnreg`` is ignored in
 code compiled for linking, ptxas' C7504), so the consumers keep to 168.
 
+With ``copies="tma"`` (:mod:`nbflash.tma`) the producer's first thread
+copies instead: per tile one ``arrive.expect_tx`` on the stage's mbarrier
+announcing all the tile's bytes, then one TMA box per 64-column panel of K
+and of V (and of Q with the first tile) — 4 instructions for a 128 × 128
+K/V tile at D = 128 where ``cp.async`` needs 4096 spread over 128 threads.
+The boxes land already swizzled and through the async proxy (no proxy
+fence); the FULL handshake becomes the consumers' wait on the mbarrier's
+phase parity ((j // stages) % 2), the EMPTY one stays a named barrier::
+
+    producer thread 0:  expect_tx(s) ─ TMA K_j, V_j panels ─ ... EMPTY(j) ─ expect_tx ─ TMA j+stages ...
+    consumers:          try_wait(full[s], parity) ─ S, softmax, P V ─ EMPTY(j)
+
 ``"ws-overlap"`` (ws, 3 or 4 stages): each consumer also overlaps its own
 softmax with its P V, as in ``"overlap"``: its turn issues S_j and
 O += P_{j-1} V_{j-1} together.  Tile j - 1 is released only after that P V,

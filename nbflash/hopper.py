@@ -156,11 +156,12 @@ are bookkeeping), checks that a :func:`wgmma_fence` preceded each batch and a
 :func:`fence_proxy_async` the first wgmma of a thread, and refuses a non-zero
 base offset (not modelled).
 
-TMA is not used yet: tiles are loaded with ``cp.async`` (or plain stores) and
-the proxy fence.  TMA (``cp.async.bulk.tensor``) needs a *tensor map* made on
-the host with the driver's ``cuTensorMapEncodeTiled`` and passed as a
-``__grid_constant__`` kernel parameter, plus the mbarrier arrive/expect-tx/
-try-wait protocol for completion — both new territory for Numba; next step.
+Tiles are loaded with ``cp.async`` (or plain stores) and the proxy fence, or
+by the TMA unit (:mod:`nbflash.tma`: a tensor map made on the host with the
+driver's ``cuTensorMapEncodeTiled``, kept in global memory because Numba
+cannot declare a ``__grid_constant__`` parameter, and mbarriers counting the
+bytes), whose boxes land in exactly the 128-byte-swizzled layout above and
+need no proxy fence.
 
 Requires sm_90a (``wgmma`` is an arch-specific feature: PTX ``.target sm_90a``;
 numba-cuda compiles for ``compute_90a`` on an sm_90 device by itself, and

@@ -185,10 +185,10 @@ def make_tensor_map(x, box_rows: int, box_cols: int, swizzle: int = SWIZZLE_128B
         driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16,  # raw 16-bit words: f16 and bf16 alike
         4,
         address,
-        [d, rows, heads, batch],  # innermost first
-        [x.strides[2], x.strides[1], x.strides[0]],  # bytes, dims 1..3
-        [box_cols, box_rows, 1, 1],
-        [1, 1, 1, 1],
+        [driver.cuuint64_t(n) for n in (d, rows, heads, batch)],  # innermost first
+        [driver.cuuint64_t(n) for n in (x.strides[2], x.strides[1], x.strides[0])],  # bytes, dims 1..3
+        [driver.cuuint32_t(n) for n in (box_cols, box_rows, 1, 1)],
+        [driver.cuuint32_t(1)] * 4,
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B if swizzle == SWIZZLE_128B
         else driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
