@@ -694,7 +694,13 @@ def parse_ptxas_log(log: str) -> dict:
         ptxas info    : Used 8 registers, used 1 barriers, 256 bytes smem
 
     Each field is read from its *first* occurrence, i.e. ptxas' report of the
-    first function in the module (nbflash's PTX holds one kernel).  Returns
+    first function in the module (nbflash's PTX holds one kernel).  When
+    nvJitLink reuses a result from its on-disk cache, ptxas does not run and
+    only the linker's summary is there (``used 32 registers, used 1 barriers,
+    0 stack, 17416 bytes smem, 728 bytes cmem[0], 0 bytes lmem``): the stack
+    then comes from ``N stack``, and ``spill_bytes`` is the local memory per
+    thread (``N bytes lmem``), stack frame included — exact when it is 0, an
+    upper bound otherwise; ``spill_stores``/``spill_loads`` stay None.  Returns
     ``registers``, ``spill_stores``, ``spill_loads``, ``spill_bytes`` (stores +
     loads), ``stack_bytes``, ``shared_bytes`` (static shared memory; 0 when the
     registers line names none), ``barriers`` and ``function`` (the entry's
@@ -707,12 +713,16 @@ def parse_ptxas_log(log: str) -> dict:
     rest = used.group(2) if used else ""
     smem = re.search(r"(\d+) bytes smem", rest)
     barriers = re.search(r"used (\d+) barriers", rest)
+    lmem = re.search(r"(\d+) bytes lmem", rest)  # the linker's summary (a cached link: no ptxas lines)
+    linker_stack = re.search(r"(\d+) stack\b", rest)
+    spill_bytes = int(spills.group(1)) + int(spills.group(2)) if spills else int(lmem.group(1)) if lmem else None
+    stack_bytes = int(stack.group(1)) if stack else int(linker_stack.group(1)) if linker_stack else None
     return {
         "registers": int(used.group(1)) if used else None,
         "spill_stores": int(spills.group(1)) if spills else None,
         "spill_loads": int(spills.group(2)) if spills else None,
-        "spill_bytes": int(spills.group(1)) + int(spills.group(2)) if spills else None,
-        "stack_bytes": int(stack.group(1)) if stack else None,
+        "spill_bytes": spill_bytes,
+        "stack_bytes": stack_bytes,
         "shared_bytes": (int(smem.group(1)) if smem else 0) if used else None,
         "barriers": (int(barriers.group(1)) if barriers else 0) if used else None,
         "function": entry.group(1) if entry else None,

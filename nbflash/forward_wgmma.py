@@ -728,6 +728,19 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
     (bf16, batch·N = 16k, heads·D = 2048; TFLOP/s at N = 1k / 4k / 16k,
     non-causal; runs differ by up to 8 % from one another):
 
+    Since session 10 both tuned head dims run the ws pipeline with TMA copies
+    (``copies="tma"``; ``tc-forward-…-tma.json``, f563588, bf16, N = 1k / 4k /
+    16k in one run):
+
+    * D = 128, 128 × 128, 2 stages: 418 / 517 / 545 non-causal and 287 / 460 /
+      542 causal, against 391 / 455 / 489 and 276 / 424 / 448 for the same
+      pipeline copying with cp.async (+4 % to +21 %); 3 stages within 2 %.
+    * D ≤ 64, 128 × 128, 2 stages: 303 / 364 / 386 non-causal and 216 / 326 /
+      384 causal, against 289 / 345 / 371 and 214 / 304 / 342 for the plain
+      128 × 64 default before (+1 % to +12 %).
+
+    The sweeps before TMA:
+
     * D ≤ 64: 128 × 64, plain pipeline: 259–266 / 325–327 / 348–353 (SDPA
       flash 272–277 / 300 / 306); ws 128 × 128 (session 7) 233–234 / 301–309 /
       332–333 against 237–242 / 311–320 / 346–353 plain in the same runs.  128 × 128 plain gives 227 / 298 / 325;
@@ -757,10 +770,8 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
     if simulator:
         return WGConfig(64, 16, head_dim, input_kind)
     d_pad = -(-head_dim // PANEL) * PANEL
-    if d_pad <= 64:
-        return WGConfig(128, 64, head_dim, input_kind, "plain")
     if d_pad <= 128:
-        return WGConfig(128, 128, head_dim, input_kind, "ws", stages=2)
+        return WGConfig(128, 128, head_dim, input_kind, "ws", stages=2, copies="tma")
     return WGConfig(128, 64, head_dim, input_kind, "overlap")
 
 
@@ -787,7 +798,8 @@ def can_implement(cfg: WGConfig, *arrays) -> tuple[bool, str]:
     why = tile_rows_problem(cfg.head_dim, "qkvo", arrays, copied=4)
     if not why and cfg.copies == "tma":  # a tensor map's strides (rows, heads, batches) are whole 16-byte units
         why = next((f"{name}'s strides must be multiples of 16 bytes for TMA, got {a.strides}"
-                    for name, a in zip("qkv", arrays, strict=False) if any(s % 16 for s in a.strides[:3])), "")
+                    for name, a in zip("qkv", arrays, strict=False)
+                    if any(s % 16 and n > 1 for s, n in zip(a.strides[:3], a.shape[:3], strict=True))), "")
     return not why, why
 
 

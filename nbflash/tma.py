@@ -145,7 +145,8 @@ def make_tensor_map(x, box_rows: int, box_cols: int, swizzle: int = SWIZZLE_128B
     be 64: one 128-byte swizzled row per box row) or
     :data:`~nbflash.hopper.SWIZZLE_NONE` (rows of ``box_cols`` elements,
     a multiple of 8, stored densely).  ``x``'s last axis must be contiguous,
-    its other strides multiples of 16 bytes, its start 16-byte aligned; a
+    its other strides multiples of 16 bytes (but those of axes of length 1),
+    its start 16-byte aligned; a
     CuPy array on the GPU, a NumPy array in the simulator.
     """
     if x.ndim != 4 or x.dtype.itemsize != 2:
@@ -154,7 +155,7 @@ def make_tensor_map(x, box_rows: int, box_cols: int, swizzle: int = SWIZZLE_128B
         raise ValueError(f"x must not be empty, got shape {x.shape}")
     if x.strides[3] != 2:
         raise ValueError(f"x's last axis must be contiguous (stride 2 bytes), got strides {x.strides}")
-    if any(s % 16 or s <= 0 for s in x.strides[:3]):
+    if any((s % 16 or s <= 0) and n > 1 for s, n in zip(x.strides[:3], x.shape[:3], strict=True)):
         raise ValueError(f"x's strides must be positive multiples of 16 bytes, got {x.strides}")
     if swizzle == SWIZZLE_128B:
         if box_cols != 64:
@@ -181,12 +182,14 @@ def make_tensor_map(x, box_rows: int, box_cols: int, swizzle: int = SWIZZLE_128B
     from cuda.bindings import driver
 
     batch, heads, rows, d = x.shape
+    # An axis of one element is never stepped along: any stride will do, but the TMA wants a multiple of 16.
+    strides = [x.strides[i] if x.shape[i] > 1 else 16 for i in (2, 1, 0)]
     err, encoded = driver.cuTensorMapEncodeTiled(
         driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16,  # raw 16-bit words: f16 and bf16 alike
         4,
         address,
         [driver.cuuint64_t(n) for n in (d, rows, heads, batch)],  # innermost first
-        [driver.cuuint64_t(n) for n in (x.strides[2], x.strides[1], x.strides[0])],  # bytes, dims 1..3
+        [driver.cuuint64_t(n) for n in strides],  # bytes, dims 1..3
         [driver.cuuint32_t(n) for n in (box_cols, box_rows, 1, 1)],
         [driver.cuuint32_t(1)] * 4,
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,

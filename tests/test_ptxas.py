@@ -45,6 +45,12 @@ LOG_NO_SMEM = (
 )
 
 
+LOG_CACHED_LINK = """info    : 8 bytes gmem
+info    : Function properties for 'tma_tiles':
+info    : used 32 registers, used 1 barriers, 0 stack, 17416 bytes smem, 728 bytes cmem[0], 0 bytes lmem
+"""
+
+
 def test_parse_ptxas_log():
     info = parse_ptxas_log(LOG_SM90)
     assert {k: v for k, v in info.items() if k != "log"} == {
@@ -66,6 +72,12 @@ def test_parse_ptxas_log():
 
     info = parse_ptxas_log(LOG_NO_SMEM)
     assert (info["registers"], info["stack_bytes"], info["shared_bytes"], info["barriers"]) == (12, 64, 0, 0)
+
+    # A link nvJitLink took from its cache: only the linker's summary (seen on the H200, 2026-11-30).
+    cached = parse_ptxas_log(LOG_CACHED_LINK)
+    assert (cached["registers"], cached["stack_bytes"], cached["spill_bytes"], cached["shared_bytes"]) == (32, 0, 0, 17416)
+    assert cached["spill_stores"] is None and cached["barriers"] == 1
+    assert parse_ptxas_log(LOG_CACHED_LINK.replace("0 bytes lmem", "24 bytes lmem"))["spill_bytes"] == 24
 
     # Nothing to read: every field is None (ptxas_info raises instead when a successful link logs no such lines).
     empty = parse_ptxas_log("")
