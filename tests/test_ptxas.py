@@ -75,7 +75,8 @@ def test_parse_ptxas_log():
 
     # A link nvJitLink took from its cache: only the linker's summary (seen on the H200, 2026-11-30).
     cached = parse_ptxas_log(LOG_CACHED_LINK)
-    assert (cached["registers"], cached["stack_bytes"], cached["spill_bytes"], cached["shared_bytes"]) == (32, 0, 0, 17416)
+    fields = ("registers", "stack_bytes", "spill_bytes", "shared_bytes")
+    assert tuple(cached[f] for f in fields) == (32, 0, 0, 17416)
     assert cached["spill_stores"] is None and cached["barriers"] == 1
     assert parse_ptxas_log(LOG_CACHED_LINK.replace("0 bytes lmem", "24 bytes lmem"))["spill_bytes"] == 24
 
