@@ -182,8 +182,15 @@ def make_tensor_map(x, box_rows: int, box_cols: int, swizzle: int = SWIZZLE_128B
     from cuda.bindings import driver
 
     batch, heads, rows, d = x.shape
-    # An axis of one element is never stepped along: any stride will do, but the TMA wants a multiple of 16.
-    strides = [x.strides[i] if x.shape[i] > 1 else 16 for i in (2, 1, 0)]
+    # An axis of one element is never stepped along: its stride, if not a positive multiple of 16 (the TMA's
+    # rule), may be replaced by one that is, the extent of the axes inside it.
+    strides, inner = [], 2 * d  # inner: bytes spanned by the axes inside the current one
+    for i in (2, 1, 0):
+        stride = x.strides[i]
+        if x.shape[i] == 1 and (stride % 16 or stride <= 0):
+            stride = -(-inner // 16) * 16
+        strides.append(stride)
+        inner = stride * x.shape[i]
     err, encoded = driver.cuTensorMapEncodeTiled(
         driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16,  # raw 16-bit words: f16 and bf16 alike
         4,
