@@ -3,9 +3,10 @@
     compute-sanitizer --tool memcheck python benchmarks/sanitize_tc.py
 
 The ``mma.sync`` forward at head dims 40, 64, 128 and 256 and its backward at 64 and 128 (both dQ routes),
-and on a Hopper GPU the ``wgmma`` forward and backward defaults at 40, 64 and 128: bshd views, ragged
-K/V (seqlen_q ≠ seqlen_k), causal with rows that see no key — whole tiles take the tile copier's short
-path, the last ones its general path, and every output goes through the packed-pair epilogue.
+and on a Hopper GPU the ``wgmma`` forward and backward defaults at 40, 64 and 128, and the forward whose
+producer copies by TMA at 64 and 128: bshd views, ragged K/V (seqlen_q ≠ seqlen_k), causal with rows that
+see no key — whole tiles take the tile copier's short path, the last ones its general path, and every
+output goes through the packed-pair epilogue.
 """
 
 import os
@@ -16,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cupy as cp  # noqa: E402
 
 import nbflash  # noqa: E402
+from nbflash import forward_wgmma  # noqa: E402
 
 hopper = nbflash._device.compute_capability()[0] == 9
 for d in (40, 64, 128, 256):
@@ -29,5 +31,10 @@ for d in (40, 64, 128, 256):
     if hopper and d <= 128:
         o, lse = nbflash.attention(x, kv, kv, causal=True, layout="bshd", return_lse=True, backend="wgmma")
         nbflash.attention_backward(x, x, kv, kv, o, lse, causal=True, layout="bshd", backend="wgmma")
+    if hopper and d in (64, 128):  # the ws forward whose producer copies by TMA (opt-in: launched directly)
+        cfg = forward_wgmma.WGConfig(128, 128, d, "float16", "ws", copies="tma")
+        qh, kh = x.transpose(0, 2, 1, 3), kv.transpose(0, 2, 1, 3)  # (B, H, N, D) views of the bshd arrays
+        o4 = cp.empty_like(qh)
+        forward_wgmma.launch_forward_wgmma(cfg, qh, kh, kh, o4, cp.empty(qh.shape[:3], cp.float32), d**-0.5, True)
 cp.cuda.Device().synchronize()
 print("sanitize_tc: all kernels ran")

@@ -728,9 +728,11 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
     (bf16, batch·N = 16k, heads·D = 2048; TFLOP/s at N = 1k / 4k / 16k,
     non-causal; runs differ by up to 8 % from one another):
 
-    Since session 10 both tuned head dims run the ws pipeline with TMA copies
-    (``copies="tma"``; ``tc-forward-…-tma.json``, f563588, bf16, N = 1k / 4k /
-    16k in one run):
+    The ws pipeline with TMA copies (``copies="tma"``; ``tc-forward-…-tma.json``,
+    f563588, bf16, N = 1k / 4k / 16k in one run) is faster still, but not the
+    default yet: nbflash.attention and the PyTorch bridge record each call's
+    launches once and replay them with new pointers, and a tensor map holds a
+    pointer, so the replay would need its maps rebuilt per call (next step):
 
     * D = 128, 128 × 128, 2 stages: 418 / 517 / 545 non-causal and 287 / 460 /
       542 causal, against 391 / 455 / 489 and 276 / 424 / 448 for the same
@@ -770,8 +772,10 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
     if simulator:
         return WGConfig(64, 16, head_dim, input_kind)
     d_pad = -(-head_dim // PANEL) * PANEL
+    if d_pad <= 64:
+        return WGConfig(128, 64, head_dim, input_kind, "plain")
     if d_pad <= 128:
-        return WGConfig(128, 128, head_dim, input_kind, "ws", stages=2, copies="tma")
+        return WGConfig(128, 128, head_dim, input_kind, "ws", stages=2)
     return WGConfig(128, 64, head_dim, input_kind, "overlap")
 
 
@@ -840,9 +844,15 @@ def _no_maps(device: int):
 
 def tensor_maps(cfg: WGConfig, q, k, v):
     """The kernel's ``maps``: TMA tensor maps of q (boxes of block_m rows), k and v (block_n rows) × 64 columns,
-    128-byte swizzled, when ``cfg.copies == "tma"``; else a placeholder."""
+    128-byte swizzled, when ``cfg.copies == "tma"``; else a placeholder.
+
+    A map holds its array's address, so a TMA configuration takes real arrays (CuPy; NumPy in the
+    simulator), not the pointer-less descriptors of a recorded launch (:mod:`nbflash._launch`)."""
     if cfg.copies != "tma":
         return _no_maps(0 if SIMULATOR else __import__("cupy").cuda.Device().id)
+    if not all(hasattr(a, "data") and hasattr(a, "strides") and not isinstance(a, tuple) for a in (q, k, v)):
+        raise TypeError("a TMA configuration (copies='tma') takes CuPy arrays for q, k, v: its tensor maps "
+                        f"hold their addresses, got {type(q).__name__}")
     return T.stacked_maps([(q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n)], PANEL)
 
 

@@ -88,6 +88,7 @@ from ._device import SIMULATOR, _sim_lock, intrinsic
 from .hopper import (
     SWIZZLE_128B,
     SWIZZLE_NONE,
+    _make_gpu_statement,
     _sim_block_fenced,
     _sim_block_state,
     _sim_smem_address,
@@ -426,43 +427,38 @@ def _is_u64_array(ty):
     return _is_flat_array(ty) and isinstance(ty.dtype, types.Integer) and ty.dtype.bitwidth == 64
 
 
-@intrinsic
-def _gpu_mbarrier_init(typingctx, bars, index, count):
-    if not (_is_u64_array(bars) and _is_int(index, count)):
-        return None
+def _make_gpu_barrier_op(name: str, ptx: str, flag: bool = False):
+    """An intrinsic ``op(bars, index, value)``: the PTX ``ptx`` on the shared address of ``bars[index]`` and
+    ``value`` as a 32-bit integer ($0 and $1), kept in place as a memory operation.  With ``flag`` it returns
+    a boolean: ``ptx`` writes 0 or 1 to $0 and the address and value are $1 and $2."""
 
-    def codegen(context, builder, sig, args):
-        bar = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-        n = context.cast(builder, args[2], sig.args[2], types.uint32)
-        _asm(builder, ir.VoidType(), [_I32, _I32], "mbarrier.init.shared.b64 [$0], $1;", "r,r,~{memory}",
-             [bar, n], side_effect=True)
-        return context.get_dummy_value()
+    def op(typingctx, bars, index, value):
+        if not (_is_u64_array(bars) and _is_int(index, value)):
+            return None
 
-    return types.void(bars, index, count), codegen
+        def codegen(context, builder, sig, args):
+            bar = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            n = context.cast(builder, args[2], sig.args[2], types.uint32)
+            if not flag:
+                _asm(builder, ir.VoidType(), [_I32, _I32], ptx, "r,r,~{memory}", [bar, n], side_effect=True)
+                return context.get_dummy_value()
+            done = _asm(builder, _I32, [_I32, _I32], ptx, "=r,r,r,~{memory}", [bar, n], side_effect=True)
+            return builder.icmp_unsigned("!=", done, ir.Constant(_I32, 0))
+
+        return (types.boolean if flag else types.void)(bars, index, value), codegen
+
+    op.__name__ = name
+    return intrinsic(op)
 
 
-@intrinsic
-def _gpu_fence_mbarrier_init(typingctx):
-    def codegen(context, builder, sig, args):
-        _asm(builder, ir.VoidType(), [], "fence.mbarrier_init.release.cluster;", "~{memory}", [], side_effect=True)
-        return context.get_dummy_value()
-
-    return types.void(), codegen
-
-
-@intrinsic
-def _gpu_mbarrier_arrive_expect_tx(typingctx, bars, index, tx_bytes):
-    if not (_is_u64_array(bars) and _is_int(index, tx_bytes)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        bar = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-        tx = context.cast(builder, args[2], sig.args[2], types.uint32)
-        _asm(builder, ir.VoidType(), [_I32, _I32], "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;",
-             "r,r,~{memory}", [bar, tx], side_effect=True)
-        return context.get_dummy_value()
-
-    return types.void(bars, index, tx_bytes), codegen
+_gpu_mbarrier_init = _make_gpu_barrier_op("mbarrier_init", "mbarrier.init.shared.b64 [$0], $1;")
+_gpu_mbarrier_arrive_expect_tx = _make_gpu_barrier_op("mbarrier_arrive_expect_tx",
+                                                      "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;")
+_gpu_mbarrier_try_wait_parity = _make_gpu_barrier_op(
+    "mbarrier_try_wait_parity",
+    "{ .reg .pred done; mbarrier.try_wait.parity.shared::cta.b64 done, [$1], $2; selp.u32 $0, 1, 0, done; }",
+    flag=True)
+_gpu_fence_mbarrier_init = _make_gpu_statement("fence_mbarrier_init", "fence.mbarrier_init.release.cluster;")
 
 
 @intrinsic
@@ -477,22 +473,6 @@ def _gpu_mbarrier_arrive(typingctx, bars, index):
         return context.get_dummy_value()
 
     return types.void(bars, index), codegen
-
-
-@intrinsic
-def _gpu_mbarrier_try_wait_parity(typingctx, bars, index, parity):
-    if not (_is_u64_array(bars) and _is_int(index, parity)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        bar = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-        p = context.cast(builder, args[2], sig.args[2], types.uint32)
-        done = _asm(builder, _I32, [_I32, _I32],
-                    "{ .reg .pred done; mbarrier.try_wait.parity.shared::cta.b64 done, [$1], $2; "
-                    "selp.u32 $0, 1, 0, done; }", "=r,r,r,~{memory}", [bar, p], side_effect=True)
-        return builder.icmp_unsigned("!=", done, ir.Constant(_I32, 0))
-
-    return types.boolean(bars, index, parity), codegen
 
 
 @intrinsic

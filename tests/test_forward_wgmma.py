@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from offline import offline_json_rows
 from test_forward_tc import run_and_check, to_kind
 
 import nbflash
@@ -86,6 +83,22 @@ def test_forward_wgmma_warp_specialized(xp, rng, pipeline, stages, kind, causal,
     more than once (up to 7 key tiles of 16), with ragged tails, a query block whose rows see no key, and bshd."""
     cfg = W.WGConfig(128, 16, 64, kind, pipeline, stages=stages, copies=copies)
     run_and_check(xp, rng, n_q, n_k, 64, kind, causal, cfg=cfg, layout="bshd", heads=1, launch=launch)
+
+
+def test_tma_configuration_takes_arrays_only():
+    """A TMA configuration's tensor maps hold addresses: it refuses the pointer-less descriptors of a recorded
+    launch, and only the ws pipelines (whose producer issues the copies) take ``copies="tma"``."""
+    from nbflash._launch import ArrayArg
+
+    cfg = W.WGConfig(128, 16, 64, "float16", "ws", copies="tma")
+    desc = ArrayArg(1 << 40, (1, 1, 16, 64), (2048, 2048, 128, 2), np.dtype(np.float16))
+    with pytest.raises(TypeError, match="CuPy arrays"):
+        W.tensor_maps(cfg, desc, desc, desc)
+    with pytest.raises(ValueError, match="producer"):
+        W.WGConfig(128, 16, 64, "float16", "plain", copies="tma")
+    with pytest.raises(ValueError, match="copies"):
+        W.WGConfig(128, 16, 64, "float16", "ws", copies="bulk")
+    assert W.choose_config(128, "bfloat16", simulator=False).copies == "cp.async"  # not on the replay path yet
 
 
 @hopper
@@ -172,14 +185,7 @@ for name, cfg, kern, sig, fastmath in importlib.import_module(sys.argv[1]).compi
 def offline_rows(module: str = "nbflash.forward_wgmma"):
     """Every GPU configuration of ``module`` (its ``compile_targets()``) compiled for sm_90a and assembled by
     ptxas, in a subprocess with the simulator off: one dict per kernel."""
-    pytest.importorskip("cuda.bindings.nvjitlink")
-    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", _PTX_SCRIPT, module], env=env, capture_output=True, text=True,
-                          timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return offline_json_rows(_PTX_SCRIPT, module, timeout=1800)
 
 
 def test_gpu_configurations_compile_for_sm90a_without_local_memory():

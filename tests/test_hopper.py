@@ -16,14 +16,11 @@
 from __future__ import annotations
 
 import functools
-import json
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from offline import TESTS, offline_json_rows
 
 from nbflash import hopper as H
 from nbflash import intrinsics as I
@@ -319,14 +316,7 @@ for kind, n, swizzle in t.OFFLINE:
 
 @functools.cache
 def offline_results():
-    pytest.importorskip("cuda.bindings.nvjitlink")
-    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", _OFFLINE_SCRIPT, os.path.dirname(os.path.abspath(__file__))],
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return offline_json_rows(_OFFLINE_SCRIPT, TESTS)
 
 
 def test_wgmma_compiles_and_assembles_for_sm90a():

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import functools
 import glob
-import json
 import os
 import shutil
 import struct
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+from offline import TESTS, offline_json_rows
 
 from nbflash import intrinsics as I
 from nbflash._device import SIMULATOR, cuda, device_function, kernel, numba
@@ -744,14 +743,7 @@ def find_nvdisasm():
 
 @functools.cache
 def offline_results():
-    pytest.importorskip("cuda.bindings.nvjitlink")
-    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", _OFFLINE_SCRIPT, os.path.dirname(os.path.abspath(__file__)),
-                           find_nvdisasm() or ""], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return offline_json_rows(_OFFLINE_SCRIPT, TESTS, find_nvdisasm() or "")
 
 
 def test_intrinsics_compile_and_assemble_offline():

@@ -17,14 +17,11 @@
 from __future__ import annotations
 
 import functools
-import json
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from offline import TESTS, offline_json_rows
 
 from nbflash import hopper as H
 from nbflash import tma as T
@@ -231,14 +228,7 @@ print(json.dumps(dict(ok=info["ok"], log=info["log"][-2000:], spill_bytes=info["
 
 
 def test_tma_compiles_and_assembles_for_sm90():
-    pytest.importorskip("cuda.bindings.nvjitlink")
-    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", _OFFLINE_SCRIPT, os.path.dirname(os.path.abspath(__file__))],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    row = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    row = offline_json_rows(_OFFLINE_SCRIPT, TESTS)[-1]
     assert row["ok"], row["log"]
     assert row["spill_bytes"] in (0, None), row
     for op in ("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes",
