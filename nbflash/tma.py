@@ -68,9 +68,9 @@ the hardware's rules (arrivals, announced bytes, phase parity); a wait on a
 barrier nobody initialised is an error.
 
 PTX: ``mbarrier.init``, ``mbarrier.arrive.expect_tx``, ``mbarrier.arrive``,
-``mbarrier.try_wait.parity`` (PTX ISA 9.7.13.15), ``fence.mbarrier_init``,
+``mbarrier.try_wait.parity`` (the PTX ISA's mbarrier section), ``fence.mbarrier_init``,
 ``cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes``
-(9.7.9.25.5.1); sm_90.  The tensor map: CUDA driver API
+(its bulk-copy section); sm_90.  The tensor map: CUDA driver API
 ``cuTensorMapEncodeTiled``.
 """
 
