@@ -801,9 +801,7 @@ def can_implement(cfg: WGConfig, *arrays) -> tuple[bool, str]:
     # o too: the epilogue writes each pair of outputs with one 32-bit store (aligned rows, as for the copies)
     why = tile_rows_problem(cfg.head_dim, "qkvo", arrays, copied=4)
     if not why and cfg.copies == "tma":  # a tensor map's strides (rows, heads, batches) are whole 16-byte units
-        why = next((f"{name}'s strides must be multiples of 16 bytes for TMA, got {a.strides}"
-                    for name, a in zip("qkv", arrays, strict=False)
-                    if any(s % 16 and n > 1 for s, n in zip(a.strides[:3], a.shape[:3], strict=True))), "")
+        why = next(filter(None, (T.stride_problem(name, a) for name, a in zip("qkv", arrays, strict=False))), "")
     return not why, why
 
 

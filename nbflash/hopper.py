@@ -178,7 +178,7 @@ from llvmlite import ir
 from numba import types
 
 from . import intrinsics as I
-from ._device import SIMULATOR, _sim_lock, device_function, intrinsic
+from ._device import _sim_lock, device_function, intrinsic
 from .intrinsics import (
     _F32,
     _I32,
@@ -186,6 +186,7 @@ from .intrinsics import (
     _asm,
     _is_flat_array,
     _is_int,
+    _public,
     _shared_address,
     bf16_bits_to_f32,
     f16_bits_to_f32,
@@ -1028,13 +1029,6 @@ def _make_gpu_named_barrier(op):
 # ----------------------------------------------------------------------------
 # The public names: one implementation or the other
 # ----------------------------------------------------------------------------
-
-
-def _public(sim, gpu):
-    """This run's implementation: ``sim`` in the simulator, else ``gpu()``; both carry ``sim``'s docstring."""
-    impl = sim if SIMULATOR else gpu()
-    impl.__doc__ = sim.__doc__
-    return impl
 
 
 smem_address = _public(_sim_smem_address, lambda: _gpu_smem_address)

@@ -94,7 +94,7 @@ from .hopper import (
     _sim_smem_address,
     kmajor_sw128_offset,
 )
-from .intrinsics import _I32, _I64, _asm, _global_address, _is_flat_array, _is_int, _shared_address
+from .intrinsics import _I32, _I64, _asm, _global_address, _is_flat_array, _is_int, _public, _shared_address
 
 __all__ = [
     "TensorMap",
@@ -105,6 +105,7 @@ __all__ = [
     "mbarrier_init",
     "mbarrier_try_wait_parity",
     "stacked_maps",
+    "stride_problem",
     "tma_load_4d",
 ]
 
@@ -135,6 +136,14 @@ class TensorMap:
         return self.box_rows * self.box_cols * 2
 
 
+def stride_problem(name: str, x) -> str:
+    """Why the TMA cannot step along ``x``'s outer axes, or "": each stride (but that of an axis of length 1,
+    never stepped along) must be a positive multiple of 16 bytes."""
+    if any((s % 16 or s <= 0) and n > 1 for s, n in zip(x.strides[:3], x.shape[:3], strict=True)):
+        return f"{name}'s strides must be positive multiples of 16 bytes for TMA, got {x.strides}"
+    return ""
+
+
 _SIM_MAPS: dict[int, TensorMap] = {}
 _SIM_KEYS = itertools.count(1)
 
@@ -147,17 +156,34 @@ def make_tensor_map(x, box_rows: int, box_cols: int, swizzle: int = SWIZZLE_128B
     :data:`~nbflash.hopper.SWIZZLE_NONE` (rows of ``box_cols`` elements,
     a multiple of 8, stored densely).  ``x``'s last axis must be contiguous,
     its other strides multiples of 16 bytes (but those of axes of length 1),
-    its start 16-byte aligned; a
-    CuPy array on the GPU, a NumPy array in the simulator.
+    its start 16-byte aligned; a CuPy array on the GPU, a NumPy array in the
+    simulator.
     """
+    _check(x, box_rows, box_cols, swizzle)
+    if SIMULATOR:
+        tmap = np.zeros(TENSOR_MAP_BYTES, np.uint8)
+        with _sim_lock:
+            key = next(_SIM_KEYS)
+        tmap[:8] = np.frombuffer(np.uint64(key).tobytes(), np.uint8)
+        result = TensorMap(tmap, x, box_rows, box_cols, swizzle)
+        _SIM_MAPS[key] = result
+        return result
+    import cupy as cp
+
+    return TensorMap(cp.asarray(_encode(x, box_rows, box_cols, swizzle)), x, box_rows, box_cols, swizzle)
+
+
+def _check(x, box_rows: int, box_cols: int, swizzle: int) -> None:
+    """Raise ValueError naming what :func:`make_tensor_map` cannot describe."""
     if x.ndim != 4 or x.dtype.itemsize != 2:
         raise ValueError(f"x must be a 4-D array of 16-bit elements, got shape {x.shape} of {x.dtype}")
     if any(s == 0 for s in x.shape):
         raise ValueError(f"x must not be empty, got shape {x.shape}")
     if x.strides[3] != 2:
         raise ValueError(f"x's last axis must be contiguous (stride 2 bytes), got strides {x.strides}")
-    if any((s % 16 or s <= 0) and n > 1 for s, n in zip(x.strides[:3], x.shape[:3], strict=True)):
-        raise ValueError(f"x's strides must be positive multiples of 16 bytes, got {x.strides}")
+    why = stride_problem("x", x)
+    if why:
+        raise ValueError(why)
     if swizzle == SWIZZLE_128B:
         if box_cols != 64:
             raise ValueError(f"with the 128-byte swizzle a box row is 64 elements, got box_cols={box_cols}")
@@ -168,19 +194,15 @@ def make_tensor_map(x, box_rows: int, box_cols: int, swizzle: int = SWIZZLE_128B
         raise ValueError(f"swizzle must be SWIZZLE_128B or SWIZZLE_NONE, got {swizzle!r}")
     if not 0 < box_rows <= 256:
         raise ValueError(f"box_rows must be 1..256, got {box_rows}")
-    if SIMULATOR:
-        tmap = np.zeros(TENSOR_MAP_BYTES, np.uint8)
-        with _sim_lock:
-            key = next(_SIM_KEYS)
-        tmap[:8] = np.frombuffer(np.uint64(key).tobytes(), np.uint8)
-        result = TensorMap(tmap, x, box_rows, box_cols, swizzle)
-        _SIM_MAPS[key] = result
-        return result
+
+
+def _encode(x, box_rows: int, box_cols: int, swizzle: int) -> np.ndarray:
+    """The 128 bytes of the GPU tensor map of ``x`` (checked by :func:`_check`), on the host."""
+    from cuda.bindings import driver
+
     address = x.data.ptr
     if address % 16:
         raise ValueError(f"x must start 16-byte aligned, got address {address:#x}")
-    import cupy as cp
-    from cuda.bindings import driver
 
     batch, heads, rows, d = x.shape
     # An axis of one element is never stepped along: its stride, if not a positive multiple of 16 (the TMA's
@@ -209,8 +231,7 @@ def make_tensor_map(x, box_rows: int, box_cols: int, swizzle: int = SWIZZLE_128B
     if err != driver.CUresult.CUDA_SUCCESS:
         raise ValueError(f"cuTensorMapEncodeTiled refused the map of shape {x.shape}, strides {x.strides}, "
                          f"box {box_rows}×{box_cols}: {err}")
-    raw = np.array([int(w) for w in encoded.opaque], np.uint64).view(np.uint8)
-    return TensorMap(cp.asarray(raw), x, box_rows, box_cols, swizzle)  # CuPy allocations are 256-byte aligned
+    return np.array([int(w) for w in encoded.opaque], np.uint64).view(np.uint8)
 
 
 _GPU_MAPS: dict[tuple, object] = {}
@@ -232,8 +253,11 @@ def stacked_maps(specs, box_cols: int = 64, swizzle: int = SWIZZLE_128B):
            *((x.data.ptr, x.shape, x.strides, x.dtype.itemsize, rows) for x, rows in specs))
     maps = _GPU_MAPS.get(key)
     if maps is None:
-        maps = cp.stack([make_tensor_map(x, rows, box_cols, swizzle).map for x, rows in specs])
-        # The copies to the device are asynchronous on CuPy's stream; a kernel on another stream must not read the
+        # One copy of all the maps (CuPy allocations are 256-byte aligned, each map 64-byte aligned within them).
+        for x, rows in specs:
+            _check(x, rows, box_cols, swizzle)
+        maps = cp.asarray(np.stack([_encode(x, rows, box_cols, swizzle) for x, rows in specs]))
+        # The copy to the device is asynchronous on CuPy's stream; a kernel on another stream must not read the
         # maps before they land.
         cp.cuda.get_current_stream().synchronize()
         if len(_GPU_MAPS) >= _GPU_MAPS_LIMIT:
@@ -397,7 +421,7 @@ def _sim_tma_load_4d(smem, offset, tmap, c0, c1, c2, c3, bars, index):
     flat = smem.reshape(-1).view(np.uint16)
     r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
     if spec.swizzle == SWIZZLE_128B:
-        dst = np.vectorize(kmajor_sw128_offset)(r, c) // 2  # bytes → 16-bit elements
+        dst = kmajor_sw128_offset(r, c) // 2  # bytes → 16-bit elements
     else:
         dst = r * cols + c
     if int(offset) + int(dst.max()) >= flat.size:
@@ -451,16 +475,6 @@ def _make_gpu_barrier_op(name: str, ptx: str, flag: bool = False):
     return intrinsic(op)
 
 
-_gpu_mbarrier_init = _make_gpu_barrier_op("mbarrier_init", "mbarrier.init.shared.b64 [$0], $1;")
-_gpu_mbarrier_arrive_expect_tx = _make_gpu_barrier_op("mbarrier_arrive_expect_tx",
-                                                      "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;")
-_gpu_mbarrier_try_wait_parity = _make_gpu_barrier_op(
-    "mbarrier_try_wait_parity",
-    "{ .reg .pred done; mbarrier.try_wait.parity.shared::cta.b64 done, [$1], $2; selp.u32 $0, 1, 0, done; }",
-    flag=True)
-_gpu_fence_mbarrier_init = _make_gpu_statement("fence_mbarrier_init", "fence.mbarrier_init.release.cluster;")
-
-
 @intrinsic
 def _gpu_mbarrier_arrive(typingctx, bars, index):
     if not (_is_u64_array(bars) and _is_int(index)):
@@ -496,15 +510,15 @@ def _gpu_tma_load_4d(typingctx, smem, offset, tmap, c0, c1, c2, c3, bars, index)
     return types.void(smem, offset, tmap, c0, c1, c2, c3, bars, index), codegen
 
 
-def _public(sim, gpu):
-    impl = sim if SIMULATOR else gpu
-    impl.__doc__ = sim.__doc__
-    return impl
-
-
-mbarrier_init = _public(_sim_mbarrier_init, _gpu_mbarrier_init)
-fence_mbarrier_init = _public(_sim_fence_mbarrier_init, _gpu_fence_mbarrier_init)
-mbarrier_arrive_expect_tx = _public(_sim_mbarrier_arrive_expect_tx, _gpu_mbarrier_arrive_expect_tx)
-mbarrier_arrive = _public(_sim_mbarrier_arrive, _gpu_mbarrier_arrive)
-mbarrier_try_wait_parity = _public(_sim_mbarrier_try_wait_parity, _gpu_mbarrier_try_wait_parity)
-tma_load_4d = _public(_sim_tma_load_4d, _gpu_tma_load_4d)
+mbarrier_init = _public(_sim_mbarrier_init, lambda: _make_gpu_barrier_op(
+    "mbarrier_init", "mbarrier.init.shared.b64 [$0], $1;"))
+fence_mbarrier_init = _public(_sim_fence_mbarrier_init, lambda: _make_gpu_statement(
+    "fence_mbarrier_init", "fence.mbarrier_init.release.cluster;"))
+mbarrier_arrive_expect_tx = _public(_sim_mbarrier_arrive_expect_tx, lambda: _make_gpu_barrier_op(
+    "mbarrier_arrive_expect_tx", "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;"))
+mbarrier_arrive = _public(_sim_mbarrier_arrive, lambda: _gpu_mbarrier_arrive)
+mbarrier_try_wait_parity = _public(_sim_mbarrier_try_wait_parity, lambda: _make_gpu_barrier_op(
+    "mbarrier_try_wait_parity",
+    "{ .reg .pred done; mbarrier.try_wait.parity.shared::cta.b64 done, [$1], $2; selp.u32 $0, 1, 0, done; }",
+    flag=True))
+tma_load_4d = _public(_sim_tma_load_4d, lambda: _gpu_tma_load_4d)

@@ -141,14 +141,12 @@ def test_the_expected_image_is_swizzled():
         ((2, 3, 10, 64), (16, 64), 7, "swizzle"),
     ],
 )
-def test_make_tensor_map_refuses(shape, box, swizzle, match):
-    x = np.ones(shape, np.float16)
+def test_make_tensor_map_refuses(xp, shape, box, swizzle, match):
     with pytest.raises(ValueError, match=match):
-        T.make_tensor_map(x if SIMULATOR else __import__("cupy").asarray(x), *box, swizzle)
+        T.make_tensor_map(xp.ones(shape, np.float16), *box, swizzle)
 
 
-def test_make_tensor_map_refuses_bad_strides_and_dtype():
-    xp = np if SIMULATOR else pytest.importorskip("cupy")
+def test_make_tensor_map_refuses_bad_strides_and_dtype(xp):
     with pytest.raises(ValueError, match="16-bit"):
         T.make_tensor_map(xp.ones((1, 1, 8, 64), np.float32), 8, 64)
     with pytest.raises(ValueError, match="contiguous"):
@@ -211,7 +209,7 @@ def test_simulator_phase_waits_for_bytes_and_arrivals():
 # ----------------------------------------------------------------------------
 
 _OFFLINE_SCRIPT = r"""
-import json, sys
+import json, re, sys
 sys.path.insert(0, sys.argv[1])
 from numba import types
 import test_tma as t
@@ -224,7 +222,7 @@ info = ptxas_info(ptx, "sm_90", check=False)
 print(json.dumps(dict(ok=info["ok"], log=info["log"][-2000:], spill_bytes=info["spill_bytes"],
                       ops=sorted(set(re.findall(r"\b(?:cp\.async\.bulk\.tensor|mbarrier|fence\.mbarrier_init)[.a-z0-9_:]*",
                                                 ptx))))), flush=True)
-""".replace("import json, sys", "import json, re, sys")
+"""
 
 
 def test_tma_compiles_and_assembles_for_sm90():
