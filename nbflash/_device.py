@@ -529,6 +529,9 @@ def launch(dispatcher, grid, block, stream, shared_bytes: int, *args) -> None:
         launches.append((dispatcher, grid, block, shared_bytes, args))
         return
     handle = stream if type(stream) is int else stream_handle(stream)
+    if any(type(a) is fast.Derived for a in args):  # made now, for this launch's stream (a recipe: per replay)
+        device = fast.current_device()
+        args = tuple(a.make(a.sources, handle, device) if type(a) is fast.Derived else a for a in args)
     if fast.launch(dispatcher, grid, block, handle, shared_bytes, args):
         return
     dispatcher_launch(dispatcher, grid, block, stream, shared_bytes, *args)

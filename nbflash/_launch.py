@@ -100,6 +100,23 @@ class ArrayArg(NamedTuple):
     transpose = permute
 
 
+class Derived(NamedTuple):
+    """An argument made at launch time from the call's arrays: ``make(sources, stream, device)`` returns the
+    device array to pass (CuPy), whose shape, strides and dtype are those of ``like``.
+
+    For arguments that hold the addresses of others — a TMA tensor map names
+    its array's address (:mod:`nbflash.tma`) — and so cannot be made once
+    for a recording on placeholder pointers.  A direct launch
+    (:func:`nbflash._device.launch`) makes it just before launching; a
+    :class:`Recipe` makes it at every replay from that replay's pointers
+    (``make`` caches what it made: a replay of the same pointers finds it).
+    """
+
+    make: object
+    sources: tuple  # ArrayArgs
+    like: ArrayArg
+
+
 def describe_cupy(a) -> ArrayArg:
     return ArrayArg(a.data.ptr, a.shape, a.strides, a.dtype)
 
@@ -143,6 +160,14 @@ def _describer(t):
         fn = describe_numba
     _DESCRIBE[t] = fn
     return fn
+
+
+def describe(a) -> ArrayArg:
+    """The :class:`ArrayArg` of a CuPy array, a Numba device array or an ArrayArg."""
+    fn = _describer(type(a))
+    if fn is None:
+        raise TypeError(f"expected a GPU array (CuPy, Numba) or an ArrayArg, got {type(a).__name__}")
+    return fn(a)
 
 
 _LAYOUTS: dict = {}
@@ -535,35 +560,58 @@ class Recipe:
     def __init__(self, launches, scratch_bytes: int = 0):
         steps = []
         for dispatcher, grid, block, shared_bytes, args in launches:
-            key, values = _flatten(args)
+            # A Derived argument is recorded as its data pointer's parameter index and how to make it.
+            derived, marked = [], list(args)
+            for j, a in enumerate(args):
+                if type(a) is Derived:
+                    marker = placeholder(_DERIVED_SLOT + len(derived))
+                    derived.append((marker, a.make, tuple(_source(s) for s in a.sources)))
+                    marked[j] = a.like._replace(ptr=marker)
+            key, values = _flatten(marked)
             run = None if key is None else launcher(dispatcher, key)
             if run is None:
                 raise NotImplementedError(f"arguments of {dispatcher} the fast launch cannot pass")
             slots = tuple(
                 (i, (v >> PLACEHOLDER_SHIFT) - 1, v & _OFFSET_MASK)
                 for i, v in enumerate(values)
-                if type(v) is int and v >= 1 << PLACEHOLDER_SHIFT
+                if type(v) is int and 1 <= v >> PLACEHOLDER_SHIFT <= _DERIVED_SLOT
             )
-            steps.append((run, _dim3(grid), _dim3(block), int(shared_bytes), values, slots))
+            made = tuple((values.index(marker), make, sources) for marker, make, sources in derived)
+            steps.append((run, _dim3(grid), _dim3(block), int(shared_bytes), values, slots, made))
         self.steps = tuple(steps)
         self.scratch_bytes = int(scratch_bytes)
 
-    def values(self, ptrs) -> list[list]:
+    @staticmethod
+    def _values(step, ptrs, stream: int, device: int) -> list:
+        _, _, _, _, values, slots, made = step
+        vals = values.copy()
+        for i, slot, offset in slots:
+            vals[i] = ptrs[slot] + offset
+        for i, make, sources in made:
+            arrays = tuple(ArrayArg(offset if slot < 0 else ptrs[slot] + offset, *rest)
+                           for slot, offset, *rest in sources)
+            vals[i] = make(arrays, stream, device).data.ptr
+        return vals
+
+    def values(self, ptrs, stream: int = 0, device: int = 0) -> list[list]:
         """Each launch's parameter values with ``ptrs`` in place of the placeholders (what a replay packs)."""
-        out = []
-        for _, _, _, _, values, slots in self.steps:
-            vals = values.copy()
-            for i, slot, offset in slots:
-                vals[i] = ptrs[slot] + offset
-            out.append(vals)
-        return out
+        return [self._values(step, ptrs, stream, device) for step in self.steps]
 
     def __call__(self, ptrs, stream: int, device: int) -> None:
-        for run, grid, block, shared_bytes, values, slots in self.steps:
-            vals = values.copy()
-            for i, slot, offset in slots:
-                vals[i] = ptrs[slot] + offset
-            run(grid, block, stream, shared_bytes, vals, device)
+        for step in self.steps:
+            run, grid, block, shared_bytes = step[:4]
+            run(grid, block, stream, shared_bytes, self._values(step, ptrs, stream, device), device)
+
+
+#: The placeholder slots that mark Derived arguments' pointers in a recording (far above any call's arrays).
+_DERIVED_SLOT = 1 << 10
+
+
+def _source(a: ArrayArg) -> tuple:
+    """``(slot, offset, shape, strides, dtype)`` of a Derived argument's source: slot -1 for a real pointer."""
+    if a.ptr >> PLACEHOLDER_SHIFT:
+        return ((a.ptr >> PLACEHOLDER_SHIFT) - 1, a.ptr & _OFFSET_MASK, a.shape, a.strides, a.dtype)
+    return (-1, a.ptr, a.shape, a.strides, a.dtype)
 
 
 def recorded(fn, *args, slots: int, **kwargs) -> Recipe:
@@ -614,11 +662,13 @@ __all__ = [
     "PARAMS_VIA",
     "Arena",
     "ArrayArg",
+    "Derived",
     "LaunchError",
     "Launcher",
     "Recipe",
     "SignatureCache",
     "array_layout",
+    "describe",
     "describe_cupy",
     "launch",
     "launcher",

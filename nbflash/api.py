@@ -52,13 +52,13 @@ def plan_forward(head_dim: int, input_kind: str, scale: float, q, k, v, backend:
     if backend == "wgmma":
         if why:
             raise ValueError(f"backend='wgmma' cannot run this call: {why}")
-        cfg = _wg.choose_config(head_dim, input_kind)
+        cfg = _wg.config_for(head_dim, input_kind, q, k, v)
         ok, why = _wg.can_implement(cfg, q, k, v)
         if not ok:
             raise ValueError(f"backend='wgmma' cannot run this call: {why}")
         return Plan("wgmma", cfg, "requested")
     if not why and backend == "auto" and (compute_capability() or (0, 0))[0] == 9:
-        wg = _wg.choose_config(head_dim, input_kind)
+        wg = _wg.config_for(head_dim, input_kind, q, k, v)
         if _wg.can_implement(wg, q, k, v)[0]:
             return Plan("wgmma", wg, "float16/bfloat16 on sm_90: Hopper's wgmma")
     if not why:

@@ -156,6 +156,7 @@ __all__ = [
     "WGConfig",
     "can_implement",
     "choose_config",
+    "config_for",
     "forward_wgmma_kernel",
     "kernel_signature",
     "launch_forward_wgmma",
@@ -721,18 +722,18 @@ def forward_wgmma_kernel(cfg: WGConfig):
 
 
 @functools.cache
-def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR) -> WGConfig:
+def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR, copies: str = "tma") -> WGConfig:
     """The configuration for a head dim (any multiple of 8 up to 256), chosen by the H200 sweeps.
 
     ``benchmarks/results/tc-forward-NVIDIA-H200-2026-11-30-wgmma-*.json``
     (bf16, batch·N = 16k, heads·D = 2048; TFLOP/s at N = 1k / 4k / 16k,
     non-causal; runs differ by up to 8 % from one another):
 
-    The ws pipeline with TMA copies (``copies="tma"``; ``tc-forward-…-tma.json``,
-    f563588, bf16, N = 1k / 4k / 16k in one run) is faster still, but not the
-    default yet: nbflash.attention and the PyTorch bridge record each call's
-    launches once and replay them with new pointers, and a tensor map holds a
-    pointer, so the replay would need its maps rebuilt per call (next step):
+    Up to D = 128: the ws pipeline, 128 × 128 tiles, 2 stages, copying with
+    TMA (``tc-forward-…-tma.json``, f563588, bf16, N = 1k / 4k / 16k in one
+    run).  ``copies="cp.async"`` gives the best configuration without TMA
+    (:func:`config_for` falls back to it for strides the TMA cannot step):
+
 
     * D = 128, 128 × 128, 2 stages: 418 / 517 / 545 non-causal and 287 / 460 /
       542 causal, against 391 / 455 / 489 and 276 / 424 / 448 for the same
@@ -772,11 +773,22 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
     if simulator:
         return WGConfig(64, 16, head_dim, input_kind)
     d_pad = -(-head_dim // PANEL) * PANEL
+    if d_pad <= 128 and copies == "tma":
+        return WGConfig(128, 128, head_dim, input_kind, "ws", stages=2, copies="tma")
     if d_pad <= 64:
         return WGConfig(128, 64, head_dim, input_kind, "plain")
     if d_pad <= 128:
         return WGConfig(128, 128, head_dim, input_kind, "ws", stages=2)
     return WGConfig(128, 64, head_dim, input_kind, "overlap")
+
+
+def config_for(head_dim: int, input_kind: str, q, k, v) -> WGConfig:
+    """:func:`choose_config`'s pick for these arrays: where it copies with TMA and the TMA cannot step along
+    them (a stride not a whole number of 16-byte units), the best configuration that copies with cp.async."""
+    cfg = choose_config(head_dim, input_kind)
+    if cfg.copies == "tma" and any(T.stride_problem(name, a) for name, a in zip("qkv", (q, k, v), strict=True)):
+        cfg = choose_config(head_dim, input_kind, copies="cp.async")
+    return cfg
 
 
 def supported_device() -> tuple[bool, str]:
@@ -844,19 +856,36 @@ def tensor_maps(cfg: WGConfig, q, k, v):
     """The kernel's ``maps``: TMA tensor maps of q (boxes of block_m rows), k and v (block_n rows) × 64 columns,
     128-byte swizzled, when ``cfg.copies == "tma"``; else a placeholder.
 
-    A map holds its array's address, so a TMA configuration takes real arrays (CuPy; NumPy in the
-    simulator), not the pointer-less descriptors of a recorded launch (:mod:`nbflash._launch`)."""
+    A map holds its array's address, so on the GPU this is a
+    :class:`nbflash._launch.Derived` argument: made for the launch's own
+    pointers and stream when it launches — at every replay of a recorded call
+    (:func:`nbflash.tma.stacked_maps` caches them by address).
+    """
     if cfg.copies != "tma":
         return _no_maps(0 if SIMULATOR else __import__("cupy").cuda.Device().id)
-    if not all(hasattr(a, "data") and hasattr(a, "strides") and not isinstance(a, tuple) for a in (q, k, v)):
-        raise TypeError("a TMA configuration (copies='tma') takes CuPy arrays for q, k, v: its tensor maps "
-                        f"hold their addresses, got {type(q).__name__}")
-    return T.stacked_maps([(q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n)], PANEL)
+    if SIMULATOR:
+        return T.stacked_maps([(q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n)], PANEL)
+    from . import _launch
+
+    like = _launch.ArrayArg(0, (3, T.TENSOR_MAP_BYTES), (T.TENSOR_MAP_BYTES, 1), np.dtype(np.uint8))
+    return _launch.Derived(_maps_maker(cfg.block_m, cfg.block_n), tuple(map(_launch.describe, (q, k, v))), like)
+
+
+@functools.cache
+def _maps_maker(q_rows: int, kv_rows: int):
+    """``make(sources, stream, device)`` of the tensor maps of q (boxes of ``q_rows`` rows), k and v."""
+
+    def make(sources, stream: int, device: int):
+        q, k, v = sources
+        return T.stacked_maps([(q, q_rows), (k, kv_rows), (v, kv_rows)], PANEL, stream=stream, device=device)
+
+    return make
 
 
 def compile_targets():
     """``(name, cfg, kernel, signature, fastmath)`` for the GPU configurations (the PTX check, sm_90a)."""
     dims = (40, 64, 96, 128, 176, 256)
-    cfgs = [choose_config(d, kind, simulator=False) for d in dims for kind in ("float16", "bfloat16")]
+    cfgs = list(dict.fromkeys(choose_config(d, kind, simulator=False, copies=copies)
+                              for d in dims for kind in ("float16", "bfloat16") for copies in COPIES))
     return [("flash_forward_wgmma", cfg, forward_wgmma_kernel(cfg), kernel_signature(cfg), True) for cfg in cfgs]
 

@@ -170,7 +170,8 @@ def make_tensor_map(x, box_rows: int, box_cols: int, swizzle: int = SWIZZLE_128B
         return result
     import cupy as cp
 
-    return TensorMap(cp.asarray(_encode(x, box_rows, box_cols, swizzle)), x, box_rows, box_cols, swizzle)
+    return TensorMap(cp.asarray(_encode(x.data.ptr, x, box_rows, box_cols, swizzle)), x, box_rows, box_cols,
+                     swizzle)
 
 
 def _check(x, box_rows: int, box_cols: int, swizzle: int) -> None:
@@ -196,11 +197,11 @@ def _check(x, box_rows: int, box_cols: int, swizzle: int) -> None:
         raise ValueError(f"box_rows must be 1..256, got {box_rows}")
 
 
-def _encode(x, box_rows: int, box_cols: int, swizzle: int) -> np.ndarray:
-    """The 128 bytes of the GPU tensor map of ``x`` (checked by :func:`_check`), on the host."""
+def _encode(address: int, x, box_rows: int, box_cols: int, swizzle: int) -> np.ndarray:
+    """The 128 bytes of the GPU tensor map of the array at ``address`` with ``x``'s shape and strides (checked
+    by :func:`_check`), made on the host."""
     from cuda.bindings import driver
 
-    address = x.data.ptr
     if address % 16:
         raise ValueError(f"x must start 16-byte aligned, got address {address:#x}")
 
@@ -234,36 +235,147 @@ def _encode(x, box_rows: int, box_cols: int, swizzle: int) -> np.ndarray:
     return np.array([int(w) for w in encoded.opaque], np.uint64).view(np.uint8)
 
 
-_GPU_MAPS: dict[tuple, object] = {}
-_GPU_MAPS_LIMIT = 256
+def _address(x) -> int:
+    """The data pointer of a CuPy array or of a descriptor (:class:`nbflash._launch.ArrayArg`)."""
+    data = getattr(x, "data", None)
+    return int(data.ptr) if data is not None and hasattr(data, "ptr") else int(x.ptr)
 
 
-def stacked_maps(specs, box_cols: int = 64, swizzle: int = SWIZZLE_128B):
+def stacked_maps(specs, box_cols: int = 64, swizzle: int = SWIZZLE_128B, stream: int = 0,
+                 device: int | None = None):
     """The tensor maps of ``specs`` (``(array, box_rows)`` pairs) as one ``(len(specs), 128)`` uint8 device array.
 
-    On the GPU the result is cached by each array's address, shape and strides
-    (a map describes exactly those, not the data), so a training loop's
-    repeated calls encode nothing; the cache holds no reference to the arrays.
+    ``array``: a CuPy array or an :class:`~nbflash._launch.ArrayArg` descriptor
+    (a NumPy array in the simulator).  On the GPU the maps are cached by each
+    array's address, shape and strides (a map describes exactly those, not the
+    data: a training loop's repeated calls encode nothing).  The maps are in
+    ``device``'s memory (default: the current device) before the kernel that
+    reads them is launched on ``stream`` (a raw handle), also when that launch
+    is being captured into a CUDA graph (:class:`_MapStore`).
     """
     if SIMULATOR:
         return np.stack([make_tensor_map(x, rows, box_cols, swizzle).map for x, rows in specs])
     import cupy as cp
 
-    key = (cp.cuda.Device().id, box_cols, swizzle,
-           *((x.data.ptr, x.shape, x.strides, x.dtype.itemsize, rows) for x, rows in specs))
-    maps = _GPU_MAPS.get(key)
+    if device is None:
+        device = cp.cuda.runtime.getDevice()
+    key = (box_cols, swizzle, *((_address(x), x.shape, x.strides, x.dtype.itemsize, rows) for x, rows in specs))
+    store = _MapStore.of(device)
+    maps = store.get(key, stream)
     if maps is None:
-        # One copy of all the maps (CuPy allocations are 256-byte aligned, each map 64-byte aligned within them).
         for x, rows in specs:
             _check(x, rows, box_cols, swizzle)
-        maps = cp.asarray(np.stack([_encode(x, rows, box_cols, swizzle) for x, rows in specs]))
-        # The copy to the device is asynchronous on CuPy's stream; a kernel on another stream must not read the
-        # maps before they land.
-        cp.cuda.get_current_stream().synchronize()
-        if len(_GPU_MAPS) >= _GPU_MAPS_LIMIT:
-            _GPU_MAPS.clear()
-        _GPU_MAPS[key] = maps
+        maps = store.put(key, np.stack([_encode(_address(x), x, rows, box_cols, swizzle) for x, rows in specs]),
+                         stream)
     return maps
+
+
+class _MapStore:
+    """The tensor maps of one device: each set encoded once, on the host, and kept in device memory for good.
+
+    Maps live in *slabs*: one ``cudaMalloc`` of device memory and a pinned host
+    twin.  A new set is written into the host twin and copied into its device
+    piece on a private stream, which the host then waits for (a 384-byte copy
+    behind no other work): the maps are in place before any kernel that reads
+    them is launched, on whatever stream.  Inside a CUDA graph capture nothing
+    may wait: the copy goes on the capturing stream instead, a node of the
+    graph ahead of the kernel (from pinned memory that never changes), and the
+    set counts as written only once a later call outside a capture copies it
+    again.  The next slab is allocated ahead, outside captures (no
+    ``cudaMalloc`` while capturing).  Pieces are never reused while their
+    slabs exist; past :attr:`LIMIT` sets the store waits for the device, frees
+    every slab and starts again (a graph captured before then must be
+    captured anew).
+    """
+
+    SLAB_BYTES = 1 << 17  # 1024 maps
+    AHEAD_BYTES = 1 << 13  # the next slab is allocated once less than this is left
+    LIMIT = 1 << 14  # sets kept before the store starts again
+    _stores: dict = {}
+    _lock = threading.Lock()
+
+    def __init__(self, device: int):
+        self.device = device
+        self.sets: dict = {}  # key -> [device array, host bytes (pinned), written outside a capture]
+        self.slabs: list = []  # (device pointer, pinned host memory, its NumPy view), the last one in use
+        self.used = 0  # bytes used of the last slab
+        self.stream = None  # the private copy stream (CuPy, non-blocking)
+
+    @classmethod
+    def of(cls, device: int) -> _MapStore:
+        store = cls._stores.get(device)
+        if store is None:
+            with cls._lock:
+                store = cls._stores.setdefault(device, cls(device))
+        return store
+
+    def get(self, key, stream: int):
+        """The device array of the set ``key``, in place for a kernel launched next on ``stream``; None if there
+        is none yet."""
+        entry = self.sets.get(key)
+        if entry is None:
+            return None
+        if not entry[2]:  # so far only copied inside graph captures
+            self._copy(entry, stream)
+        return entry[0]
+
+    def put(self, key, maps: np.ndarray, stream: int):
+        """Store the host bytes ``maps`` (``(n, 128)`` uint8) under ``key``: the device array, in place for a
+        kernel launched next on ``stream``."""
+        import cupy as cp
+
+        nbytes = maps.nbytes
+        with self._lock, cp.cuda.Device(self.device):
+            capturing = cp.cuda.runtime.streamIsCapturing(stream)
+            if len(self.sets) >= self.LIMIT and not capturing:
+                cp.cuda.runtime.deviceSynchronize()  # no kernel may still read a map freed here
+                for pointer, _, _ in self.slabs:
+                    cp.cuda.runtime.free(pointer)
+                self.sets.clear()
+                self.slabs.clear()
+            if not self.slabs or self.used + nbytes > self.SLAB_BYTES:
+                if capturing:
+                    raise RuntimeError("nbflash.tma: no room left for new tensor maps inside a CUDA graph capture; "
+                                       "run the call once before capturing it")
+                self._new_slab()
+            pointer, pinned, host = self.slabs[-1]
+            offset, self.used = self.used, self.used + -(-nbytes // TENSOR_MAP_BYTES) * TENSOR_MAP_BYTES
+            host[offset:offset + nbytes] = maps.reshape(-1)
+            memory = cp.cuda.UnownedMemory(pointer + offset, nbytes, self, self.device)
+            entry = [cp.ndarray(maps.shape, np.uint8, cp.cuda.MemoryPointer(memory, 0)), pinned.ptr + offset, False]
+            self._copy(entry, stream, capturing)
+            if self.SLAB_BYTES - self.used < self.AHEAD_BYTES and not capturing:
+                self._new_slab()
+            self.sets[key] = entry
+        return entry[0]
+
+    def _new_slab(self) -> None:
+        import cupy as cp
+
+        pinned = cp.cuda.alloc_pinned_memory(self.SLAB_BYTES)
+        self.slabs.append((cp.cuda.runtime.malloc(self.SLAB_BYTES), pinned,
+                           np.frombuffer(pinned, np.uint8, self.SLAB_BYTES)))
+        self.used = 0
+
+    def _copy(self, entry, stream: int, capturing: bool | None = None) -> None:
+        """Copy ``entry``'s host bytes to its device array: on the private stream, waited for; or, inside a
+        capture of ``stream``, as a node of the graph."""
+        import cupy as cp
+
+        array, source, _ = entry
+        with cp.cuda.Device(self.device):
+            if capturing is None:
+                capturing = cp.cuda.runtime.streamIsCapturing(stream)
+            if capturing:
+                cp.cuda.runtime.memcpyAsync(array.data.ptr, source, array.nbytes,
+                                            cp.cuda.runtime.memcpyHostToDevice, stream)
+                return
+            if self.stream is None:
+                self.stream = cp.cuda.Stream(non_blocking=True)
+            cp.cuda.runtime.memcpyAsync(array.data.ptr, source, array.nbytes, cp.cuda.runtime.memcpyHostToDevice,
+                                        self.stream.ptr)
+            self.stream.synchronize()
+            entry[2] = True
 
 
 # ----------------------------------------------------------------------------

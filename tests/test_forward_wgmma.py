@@ -49,7 +49,7 @@ def copies_land_at_their_wait(monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kind,pipeline", KIND_PIPELINES)
 def test_forward_wgmma_matches_reference(xp, rng, n_q, n_k, causal, kind, pipeline):
-    cfg = dataclasses.replace(W.choose_config(64, kind), pipeline=pipeline)
+    cfg = dataclasses.replace(W.choose_config(64, kind, copies="cp.async"), pipeline=pipeline)
     run_and_check(xp, rng, n_q, n_k, 64, kind, causal, cfg=cfg, heads=1, launch=launch)
 
 
@@ -85,20 +85,19 @@ def test_forward_wgmma_warp_specialized(xp, rng, pipeline, stages, kind, causal,
     run_and_check(xp, rng, n_q, n_k, 64, kind, causal, cfg=cfg, layout="bshd", heads=1, launch=launch)
 
 
-def test_tma_configuration_takes_arrays_only():
-    """A TMA configuration's tensor maps hold addresses: it refuses the pointer-less descriptors of a recorded
-    launch, and only the ws pipelines (whose producer issues the copies) take ``copies="tma"``."""
-    from nbflash._launch import ArrayArg
-
-    cfg = W.WGConfig(128, 16, 64, "float16", "ws", copies="tma")
-    desc = ArrayArg(1 << 40, (1, 1, 16, 64), (2048, 2048, 128, 2), np.dtype(np.float16))
-    with pytest.raises(TypeError, match="CuPy arrays"):
-        W.tensor_maps(cfg, desc, desc, desc)
+def test_tma_configuration_rules():
+    """Only the ws pipelines (whose producer issues the copies) take ``copies="tma"``; on the GPU the ws
+    pipeline copies with TMA up to D = 128, and ``copies="cp.async"`` names the best configuration without it."""
     with pytest.raises(ValueError, match="producer"):
         W.WGConfig(128, 16, 64, "float16", "plain", copies="tma")
     with pytest.raises(ValueError, match="copies"):
         W.WGConfig(128, 16, 64, "float16", "ws", copies="bulk")
-    assert W.choose_config(128, "bfloat16", simulator=False).copies == "cp.async"  # not on the replay path yet
+    for d in (40, 64, 96, 128):
+        cfg = W.choose_config(d, "bfloat16", simulator=False)
+        assert (cfg.pipeline, cfg.copies, cfg.block_m, cfg.block_n, cfg.stages) == ("ws", "tma", 128, 128, 2)
+    assert W.choose_config(64, "float16", simulator=False, copies="cp.async").pipeline == "plain"
+    assert W.choose_config(128, "float16", simulator=False, copies="cp.async").copies == "cp.async"
+    assert W.choose_config(256, "float16", simulator=False).copies == "cp.async"  # overlap: no producer
 
 
 @hopper

@@ -370,6 +370,61 @@ for kind, dt, d in (("float16", np.float16, 64), ("bfloat16", np.uint16, 128), (
             cases.append(dict(case=f"backward {kind} {bplan.backend} det={det}",
                               got=recipe.values([a.ptr for a in arrays] + [ptrs[9]]), want=want, n=len(fake),
                               scratch=recipe.scratch_bytes))
+
+# The TMA forward (Hopper): its tensor maps are a Derived argument, made at each replay from that replay's
+# pointers.  The maps are faked here (no GPU): a "device array" whose address encodes what it was made from.
+from types import SimpleNamespace
+from nbflash import forward_wgmma, tma
+made = []
+def fake_maps(specs, box_cols, stream=0, device=None):
+    made.append([(x.ptr, x.shape, x.strides, rows) for x, rows in specs] + [stream, device])
+    return SimpleNamespace(data=SimpleNamespace(ptr=0x10000 + 0x100 * len(made)))
+tma.stacked_maps = fake_maps
+for layout in ("bhsd", "bshd"):
+    d, dt = 128, np.float16
+    base = 0x7E0000000000
+    ptrs = [base + i * 0x10000000 + 256 for i in range(5)]
+    shape_q, shape_k = (B, Nq, H, d), (B, Nk, H, d)
+    if layout == "bhsd":
+        q, o = (desc(p, (B, H, Nq, d), dt) for p in (ptrs[0], ptrs[3]))
+        k, v = (desc(p, (B, H, Nk, d), dt) for p in (ptrs[1], ptrs[2]))
+    else:
+        q, o = (canon(desc(p, shape_q, dt)) for p in (ptrs[0], ptrs[3]))
+        k, v = (canon(desc(p, shape_k, dt)) for p in (ptrs[1], ptrs[2]))
+    lse = desc(ptrs[4], (B, H, Nq), np.float32)
+    plan = api.plan_forward(d, "float16", 0.125, q, k, v, "auto")
+    assert plan.backend == "wgmma" and plan.config.copies == "tma", plan
+    arrays = (q, k, v, o, lse)
+    with _launch.record() as fake:
+        forward_wgmma.launch_forward_wgmma(plan.config, *_launch.placeholder_args(arrays), 0.125, True, stream=0,
+                                           check=False)
+    recipe = _launch.Recipe(fake)
+    made.clear()
+    got = recipe.values([a.ptr for a in arrays], stream=0x77, device=0)
+    got_made = list(made)
+    with _launch.record() as real:
+        forward_wgmma.launch_forward_wgmma(plan.config, *arrays, 0.125, True, stream=0, check=False)
+    made.clear()
+    want = []
+    for *_, args in real:
+        args = [a.make(a.sources, 0x77, 0) if type(a) is _launch.Derived else a for a in args]
+        want.append(list(_launch._flatten([a if not isinstance(a, SimpleNamespace) else
+                                           _launch.ArrayArg(a.data.ptr, (3, 128), (128, 1), np.dtype(np.uint8))
+                                           for a in args])[1]))
+    want_made = list(made)
+    cases.append(dict(case=f"forward tma {layout}", got=got, want=want, n=len(fake), scratch=0,
+                      made=[got_made, want_made]))
+    # Fresh pointers give fresh maps, made from them.
+    made.clear()
+    recipe.values([p + 0x1000 for p in ptrs], stream=0x77, device=0)
+    cases.append(dict(case=f"forward tma {layout} new pointers", got=[[made[0][i][0] - made_i[0]
+                      for i, made_i in enumerate(want_made[0][:3])]], want=[[0x1000] * 3], n=1, scratch=0))
+# Strides the TMA cannot step (k, v broadcast over heads: stride 0) keep the wgmma kernel, copying with cp.async.
+shared_kv = desc(ptrs[1], (B, 1, Nk, 128), np.float16)
+shared_kv = shared_kv._replace(shape=(B, H, Nk, 128), strides=(shared_kv.strides[0], 0, *shared_kv.strides[2:]))
+plan = api.plan_forward(128, "float16", 0.125, desc(ptrs[0], (B, H, Nq, 128), np.float16), shared_kv, shared_kv)
+cases.append(dict(case="forward tma fallback", got=[[plan.backend, plan.config.copies]], want=[["wgmma", "cp.async"]],
+                  n=1, scratch=0))
 print(json.dumps(cases))
 """
 
@@ -377,14 +432,20 @@ print(json.dumps(cases))
 def test_recipe_replays_exactly_what_a_direct_launch_would_pass():
     """A recipe recorded on placeholder pointers, given the real ones, yields the parameter values of the
     launches made on the real descriptors: forward and backward (both dQ routes, scratch from the arena),
-    SIMT and tensor cores, bshd views, ragged lengths."""
+    SIMT and tensor cores, bshd views, ragged lengths; the TMA forward's tensor maps made per replay from the
+    replay's own pointers, and its cp.async twin where the TMA cannot step along k and v."""
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
     out = subprocess.run([sys.executable, "-c", RECIPE_SCRIPT], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     cases = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(cases) == 2 * 2 * 3 + 3  # (forward + 2 backward) per backend: fp16, bf16 x 2 backends; fp32 SIMT
+    # (forward + 2 backward) per backend: fp16, bf16 x 2 backends; fp32 SIMT; the TMA forward (2 layouts x 2, and
+    # its fallback)
+    assert len(cases) == 2 * 2 * 3 + 3 + 5
     for c in cases:
         assert c["n"] >= 1 and c["got"] == c["want"], c["case"]
+        if "made" in c:  # the replay made its tensor maps of q, k, v from exactly the direct launch's arrays
+            got_made, want_made = c["made"]
+            assert got_made == want_made and len(got_made) == 1 and len(got_made[0]) == 5, c["case"]
         if c["case"].startswith("backward"):
             assert c["n"] == 3 and c["scratch"] > 0, c
     # The placeholders really were replaced: no value left in the placeholder range.

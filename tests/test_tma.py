@@ -242,3 +242,75 @@ def test_ptx_names_in_docstrings():
                     (T.fence_mbarrier_init, "fence.mbarrier_init")]:
         assert ptx in fn.__doc__, fn
     assert re.search(r"cuTensorMapEncodeTiled", T.__doc__)
+
+
+# ----------------------------------------------------------------------------
+# The TMA forward behind nbflash.attention: tensor maps per pointer set
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,layout,causal", [(128, "bhsd", True), (64, "bshd", False), (96, "bshd", True)])
+def test_attention_tma_maps_follow_every_call(rng, d, layout, causal):
+    """On Hopper nbflash.attention's forward copies with TMA, whose tensor maps hold addresses: one recorded
+    call signature, replayed on new buffers, on freed-and-reused memory, on another stream, and captured into a
+    CUDA graph on buffers never seen before (the maps copied inside the capture), then called outside the graph on
+    those buffers, reads each call's own data."""
+    import cupy as cp
+
+    import nbflash
+    from nbflash.reference import attention_ref
+
+    shape = (2, 3, 200, d) if layout == "bhsd" else (2, 200, 3, d)
+    bhsd = (lambda a: a) if layout == "bhsd" else (lambda a: a.transpose(0, 2, 1, 3))
+
+    def fresh():
+        return [cp.asarray(rng.standard_normal(shape)).astype(cp.float16) for _ in range(3)]
+
+    def check(qkv, o, what):
+        want, _ = attention_ref(*(bhsd(cp.asnumpy(a).astype(np.float64)) for a in qkv), causal=causal)
+        err = float(np.abs(bhsd(cp.asnumpy(o).astype(np.float64)) - want).max())
+        assert err < 4e-3, f"{what}: max error {err:.2e}"
+
+    first = fresh()
+    plan = nbflash.which_backend(*first, causal=causal, layout=layout)
+    assert plan.backend == "wgmma" and plan.config.copies == "tma", plan
+    check(first, nbflash.attention(*first, causal=causal, layout=layout), "first call")
+    second = fresh()
+    check(second, nbflash.attention(*second, causal=causal, layout=layout), "new buffers")
+    del first
+    reused = fresh()  # CuPy's pool may hand the freed buffers back: same addresses, other data
+    check(reused, nbflash.attention(*reused, causal=causal, layout=layout), "reused memory")
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        third = fresh()
+        o = nbflash.attention(*third, causal=causal, layout=layout)
+        stream.synchronize()
+    check(third, o, "another stream")
+    o = nbflash.attention(*third, causal=causal, layout=layout)  # maps made on `stream`, used on the default one
+    check(third, o, "maps of another stream")
+
+    torch = pytest.importorskip("torch")
+    import nbflash.torch as nbt
+
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(3))
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on other buffers: compiles and records, but leaves q, k, v unseen
+        nbt.attention(*(x.clone() for x in (q, k, v)), causal=causal, layout=layout)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        o = nbt.attention(q, k, v, causal=causal, layout=layout)
+    for _ in range(2):
+        for x in (q, k, v):
+            x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        check([cp.asarray(x) for x in (q, k, v)], cp.asarray(o), "graph replay")
+    # Maps first copied inside the capture serve an ordinary call too (copied again outside it).
+    for x in (q, k, v):
+        x.copy_(torch.randn_like(x))
+    o = nbt.attention(q, k, v, causal=causal, layout=layout)
+    check([cp.asarray(x) for x in (q, k, v)], cp.asarray(o), "after the capture")
