@@ -732,7 +732,10 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
     Up to D = 128: the ws pipeline, 128 × 128 tiles, 2 stages, copying with
     TMA (``tc-forward-…-tma.json``, f563588, bf16, N = 1k / 4k / 16k in one
     run).  ``copies="cp.async"`` gives the best configuration without TMA
-    (:func:`config_for` falls back to it for strides the TMA cannot step):
+    (:func:`config_for` falls back to it for strides the TMA cannot step, and
+    at D <= 64 for short sequences).  ``tc-forward-…-12-01-tma-default.json``
+    (bf16 and fp16, N = 512 … 16k, through the replayed launch) has the
+    defaults side by side with SDPA flash and cuDNN:
 
 
     * D = 128, 128 × 128, 2 stages: 418 / 517 / 545 non-causal and 287 / 460 /
@@ -782,11 +785,24 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
     return WGConfig(128, 64, head_dim, input_kind, "overlap")
 
 
+#: At D <= 64 the TMA pipeline pays from this many keys on; below, the plain 128 × 64 kernel is faster
+#: (``tc-forward-NVIDIA-H200-2026-12-01-tma-default.json``: N = 512 and 1k, 2–20 %).
+TMA_MIN_KEYS_D64 = 1025
+
+
 def config_for(head_dim: int, input_kind: str, q, k, v) -> WGConfig:
-    """:func:`choose_config`'s pick for these arrays: where it copies with TMA and the TMA cannot step along
-    them (a stride not a whole number of 16-byte units), the best configuration that copies with cp.async."""
+    """:func:`choose_config`'s pick for these arrays (canonical ``(B, H, N, D)`` views or descriptors).
+
+    Where it copies with TMA, the best configuration that copies with
+    ``cp.async`` instead when the TMA cannot step along the arrays (a stride
+    that is not a positive multiple of 16 bytes, e.g. k and v broadcast over
+    heads) or, at D <= 64, for fewer than :data:`TMA_MIN_KEYS_D64` keys.
+    """
     cfg = choose_config(head_dim, input_kind)
-    if cfg.copies == "tma" and any(T.stride_problem(name, a) for name, a in zip("qkv", (q, k, v), strict=True)):
+    if cfg.copies == "tma" and (
+        any(T.stride_problem(name, a) for name, a in zip("qkv", (q, k, v), strict=True))
+        or (cfg.d_pad <= 64 and k.shape[2] < TMA_MIN_KEYS_D64)
+    ):
         cfg = choose_config(head_dim, input_kind, copies="cp.async")
     return cfg
 

@@ -425,6 +425,11 @@ shared_kv = shared_kv._replace(shape=(B, H, Nk, 128), strides=(shared_kv.strides
 plan = api.plan_forward(128, "float16", 0.125, desc(ptrs[0], (B, H, Nq, 128), np.float16), shared_kv, shared_kv)
 cases.append(dict(case="forward tma fallback", got=[[plan.backend, plan.config.copies]], want=[["wgmma", "cp.async"]],
                   n=1, scratch=0))
+# At D = 64 TMA pays only for long sequences: below, the plain kernel.
+plans = [api.plan_forward(64, "bfloat16", 0.125, desc(ptrs[0], (1, 2, 64, 64), np.uint16),
+                          *(desc(ptrs[1], (1, 2, n, 64), np.uint16),) * 2, "auto") for n in (1024, 1025)]
+cases.append(dict(case="forward tma at D = 64", got=[[p.config.pipeline, p.config.copies] for p in plans],
+                  want=[["plain", "cp.async"], ["ws", "tma"]], n=1, scratch=0))
 print(json.dumps(cases))
 """
 
@@ -439,8 +444,8 @@ def test_recipe_replays_exactly_what_a_direct_launch_would_pass():
     assert out.returncode == 0, out.stderr[-3000:]
     cases = json.loads(out.stdout.strip().splitlines()[-1])
     # (forward + 2 backward) per backend: fp16, bf16 x 2 backends; fp32 SIMT; the TMA forward (2 layouts x 2, and
-    # its fallback)
-    assert len(cases) == 2 * 2 * 3 + 3 + 5
+    # its fallbacks)
+    assert len(cases) == 2 * 2 * 3 + 3 + 6
     for c in cases:
         assert c["n"] >= 1 and c["got"] == c["want"], c["case"]
         if "made" in c:  # the replay made its tensor maps of q, k, v from exactly the direct launch's arrays

@@ -250,8 +250,9 @@ def test_ptx_names_in_docstrings():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d,layout,causal", [(128, "bhsd", True), (64, "bshd", False), (96, "bshd", True)])
-def test_attention_tma_maps_follow_every_call(rng, d, layout, causal):
+@pytest.mark.parametrize("d,layout,causal,n", [(128, "bhsd", True, 200), (64, "bshd", False, 1100),
+                                               (96, "bshd", True, 200)])
+def test_attention_tma_maps_follow_every_call(rng, d, layout, causal, n):
     """On Hopper nbflash.attention's forward copies with TMA, whose tensor maps hold addresses: one recorded
     call signature, replayed on new buffers, on freed-and-reused memory, on another stream, and captured into a
     CUDA graph on buffers never seen before (the maps copied inside the capture), then called outside the graph on
@@ -261,7 +262,7 @@ def test_attention_tma_maps_follow_every_call(rng, d, layout, causal):
     import nbflash
     from nbflash.reference import attention_ref
 
-    shape = (2, 3, 200, d) if layout == "bhsd" else (2, 200, 3, d)
+    shape = (2, 3, n, d) if layout == "bhsd" else (2, n, 3, d)
     bhsd = (lambda a: a) if layout == "bhsd" else (lambda a: a.transpose(0, 2, 1, 3))
 
     def fresh():
