@@ -104,8 +104,8 @@ leave 168 registers per thread; the producer needs few, but Numba's
 linked compile gives ptxas no way to move them (``setmaxnreg`` is ignored in
 code compiled for linking, ptxas' C7504), so the consumers keep to 168.
 
-With ``copies="tma"`` (:mod:`nbflash.tma`) the producer's first thread
-copies instead: per tile one ``arrive.expect_tx`` on the stage's mbarrier
+With ``copies="tma"`` (:mod:`nbflash.tma`; the default up to D = 128) the
+producer's first thread copies instead: per tile one ``arrive.expect_tx`` on the stage's mbarrier
 announcing all the tile's bytes, then one TMA box per 64-column panel of K
 and of V (and of Q with the first tile) — 4 instructions for a 128 × 128
 K/V tile at D = 128 where ``cp.async`` needs 4096 spread over 128 threads.
@@ -115,6 +115,10 @@ phase parity ((j // stages) % 2), the EMPTY one stays a named barrier::
 
     producer thread 0:  expect_tx(s) ─ TMA K_j, V_j panels ─ ... EMPTY(j) ─ expect_tx ─ TMA j+stages ...
     consumers:          try_wait(full[s], parity) ─ S, softmax, P V ─ EMPTY(j)
+
+The tensor maps hold q's, k's and v's addresses, so the kernel's ``maps``
+argument is made for each launch's own arrays (:func:`tensor_maps`: a
+:class:`nbflash._launch.Derived` argument, cached by address).
 
 ``"ws-overlap"`` (ws, 3 or 4 stages): each consumer also overlaps its own
 softmax with its P V, as in ``"overlap"``: its turn issues S_j and
@@ -733,10 +737,9 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
     TMA (``tc-forward-…-tma.json``, f563588, bf16, N = 1k / 4k / 16k in one
     run).  ``copies="cp.async"`` gives the best configuration without TMA
     (:func:`config_for` falls back to it for strides the TMA cannot step, and
-    at D <= 64 for short sequences).  ``tc-forward-…-12-01-tma-default.json``
-    (bf16 and fp16, N = 512 … 16k, through the replayed launch) has the
-    defaults side by side with SDPA flash and cuDNN:
-
+    at D <= 64 for short sequences: :data:`TMA_MIN_KEYS_D64`).
+    ``tc-forward-…-12-01-tma-default.json`` (bf16 and fp16, N = 512 … 16k)
+    has both side by side with SDPA flash and cuDNN.  The earlier run:
 
     * D = 128, 128 × 128, 2 stages: 418 / 517 / 545 non-causal and 287 / 460 /
       542 causal, against 391 / 455 / 489 and 276 / 424 / 448 for the same
@@ -786,7 +789,7 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
 
 
 #: At D <= 64 the TMA pipeline pays from this many keys on; below, the plain 128 × 64 kernel is faster
-#: (``tc-forward-NVIDIA-H200-2026-12-01-tma-default.json``: N = 512 and 1k, 2–20 %).
+#: (``tc-forward-NVIDIA-H200-2026-12-01-tma-default.json``: at N = 512 and 1k, by up to 12 %).
 TMA_MIN_KEYS_D64 = 1025
 
 
