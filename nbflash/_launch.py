@@ -550,9 +550,11 @@ class Recipe:
     """Recorded launches, replayable with real pointers: ``recipe(ptrs, stream, device)``.
 
     ``ptrs[i]`` replaces placeholder slot ``i`` (plus each use's recorded byte
-    offset).  ``scratch_bytes``: the size of the arena the caller allocates and
-    passes as the last pointer (0: none).  Raises ``NotImplementedError`` at
-    construction if a launch has arguments the fast path cannot pass.
+    offset).  A :class:`Derived` argument is made again at every replay, from
+    its sources at the replay's pointers.  ``scratch_bytes``: the size of the
+    arena the caller allocates and passes as the last pointer (0: none).
+    Raises ``NotImplementedError`` at construction if a launch has arguments
+    the fast path cannot pass.
     """
 
     __slots__ = ("steps", "scratch_bytes")
@@ -582,25 +584,33 @@ class Recipe:
         self.scratch_bytes = int(scratch_bytes)
 
     @staticmethod
-    def _values(step, ptrs, stream: int, device: int) -> list:
-        _, _, _, _, values, slots, made = step
-        vals = values.copy()
-        for i, slot, offset in slots:
-            vals[i] = ptrs[slot] + offset
+    def _make(vals, made, ptrs, stream: int, device: int) -> None:
+        """Fill in the Derived arguments of one launch: each made from its sources at this replay's pointers."""
         for i, make, sources in made:
             arrays = tuple(ArrayArg(offset if slot < 0 else ptrs[slot] + offset, *rest)
                            for slot, offset, *rest in sources)
             vals[i] = make(arrays, stream, device).data.ptr
-        return vals
 
     def values(self, ptrs, stream: int = 0, device: int = 0) -> list[list]:
         """Each launch's parameter values with ``ptrs`` in place of the placeholders (what a replay packs)."""
-        return [self._values(step, ptrs, stream, device) for step in self.steps]
+        out = []
+        for _, _, _, _, values, slots, made in self.steps:
+            vals = values.copy()
+            for i, slot, offset in slots:
+                vals[i] = ptrs[slot] + offset
+            if made:
+                self._make(vals, made, ptrs, stream, device)
+            out.append(vals)
+        return out
 
     def __call__(self, ptrs, stream: int, device: int) -> None:
-        for step in self.steps:
-            run, grid, block, shared_bytes = step[:4]
-            run(grid, block, stream, shared_bytes, self._values(step, ptrs, stream, device), device)
+        for run, grid, block, shared_bytes, values, slots, made in self.steps:
+            vals = values.copy()
+            for i, slot, offset in slots:
+                vals[i] = ptrs[slot] + offset
+            if made:
+                self._make(vals, made, ptrs, stream, device)
+            run(grid, block, stream, shared_bytes, vals, device)
 
 
 #: The placeholder slots that mark Derived arguments' pointers in a recording (far above any call's arrays).

@@ -55,7 +55,9 @@ transaction count is the whole box, in bounds or not.
 The map is passed to a kernel as a 128-byte ``uint8`` device array (a
 ``.global`` tensor map: the PTX ISA allows ``.param``, ``.const`` or
 ``.global``; Numba cannot declare a ``__grid_constant__`` parameter, and a map
-written before the launch needs no proxy fence).
+written before the launch needs no proxy fence).  :func:`stacked_maps` keeps
+each set of maps by address in device memory (:class:`_MapStore`), so a
+call on arrays seen before encodes and copies nothing.
 
 The simulator
 =============
