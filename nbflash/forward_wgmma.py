@@ -797,14 +797,14 @@ def config_for(head_dim: int, input_kind: str, q, k, v) -> WGConfig:
     """:func:`choose_config`'s pick for these arrays (canonical ``(B, H, N, D)`` views or descriptors).
 
     Where it copies with TMA, the best configuration that copies with
-    ``cp.async`` instead when the TMA cannot step along the arrays (a stride
-    that is not a positive multiple of 16 bytes, e.g. k and v broadcast over
-    heads) or, at D <= 64, for fewer than :data:`TMA_MIN_KEYS_D64` keys.
+    ``cp.async`` instead when the TMA one cannot run on the arrays
+    (:func:`can_implement`: e.g. a stride that is not a positive multiple of
+    16 bytes, as for k and v broadcast over heads) or, at D <= 64, for fewer
+    than :data:`TMA_MIN_KEYS_D64` keys.
     """
     cfg = choose_config(head_dim, input_kind)
     if cfg.copies == "tma" and (
-        any(T.stride_problem(name, a) for name, a in zip("qkv", (q, k, v), strict=True))
-        or (cfg.d_pad <= 64 and k.shape[2] < TMA_MIN_KEYS_D64)
+        (cfg.d_pad <= 64 and k.shape[2] < TMA_MIN_KEYS_D64) or not can_implement(cfg, q, k, v)[0]
     ):
         cfg = choose_config(head_dim, input_kind, copies="cp.async")
     return cfg
