@@ -3,8 +3,9 @@
     compute-sanitizer --tool memcheck python benchmarks/sanitize_tc.py
 
 The ``mma.sync`` forward at head dims 40, 64, 128 and 256 and its backward at 64 and 128 (both dQ routes),
-and on a Hopper GPU the ``wgmma`` forward and backward defaults at 40, 64 and 128 (the forward's producer
-copies by TMA), and the forward that copies with cp.async instead at 64 and 128: bshd views, ragged K/V
+and on a Hopper GPU the ``wgmma`` forward and backward defaults at 40, 64 and 128 (the backward by both dQ
+routes; the forward's producer copies by TMA), and the forward that copies with cp.async instead at 64 and
+128: bshd views, ragged K/V
 (seqlen_q ≠ seqlen_k), causal with rows that see no key — whole tiles take the tile copier's short path, the
 last ones its general path, and every output goes through the packed-pair epilogue.
 """
@@ -30,7 +31,9 @@ for d in (40, 64, 128, 256):
                                        backend="tensor_core")
     if hopper and d <= 128:
         o, lse = nbflash.attention(x, kv, kv, causal=True, layout="bshd", return_lse=True, backend="wgmma")
-        nbflash.attention_backward(x, x, kv, kv, o, lse, causal=True, layout="bshd", backend="wgmma")
+        for det in (True, False):  # dQ by its own kernel, and by atomics in the dK/dV kernel
+            nbflash.attention_backward(x, x, kv, kv, o, lse, causal=True, layout="bshd", deterministic=det,
+                                       backend="wgmma")
     if hopper and d in (64, 128):  # the default (TMA) forward's twin without TMA, launched directly
         cfg = forward_wgmma.choose_config(d, "float16", simulator=False, copies="cp.async")
         qh, kh = x.transpose(0, 2, 1, 3), kv.transpose(0, 2, 1, 3)  # (B, H, N, D) views of the bshd arrays

@@ -191,14 +191,15 @@ def parse_configs(spec: str, dims, kinds) -> list[T.TCBackwardConfig]:
 
 
 def cfg_routes(cfg, routes):
-    """The dQ routes a candidate runs: the wgmma backward has the deterministic one only."""
-    return (True,) if is_wgmma(cfg) else routes
+    """The dQ routes a candidate runs: the wgmma backward's atomic one needs 64-query streamed tiles."""
+    return (True,) if is_wgmma(cfg) and not W.takes_atomic(cfg) else routes
 
 
 def launch_cfg(cfg, cdo, cq, ck, cv, o, lse, cdq, cdk, cdv, scale, causal, deterministic, check=True):
     """One backward by ``cfg`` (either family) on CuPy arrays."""
     if is_wgmma(cfg):
-        W.launch_backward_wgmma(cfg, cdo, cq, ck, cv, o, lse, cdq, cdk, cdv, scale, causal, check=check)
+        W.launch_backward_wgmma(cfg, cdo, cq, ck, cv, o, lse, cdq, cdk, cdv, scale, causal, check=check,
+                                deterministic=deterministic)
     else:
         T.launch_backward_tc(cfg, cdo, cq, ck, cv, o, lse, cdq, cdk, cdv, scale, causal, deterministic, check=check)
 
@@ -242,6 +243,9 @@ def compile_configs(log, cfgs, routes):
         if is_wgmma(cfg):
             for name, kern in (("dkdv", W.dkdv_wgmma_kernel(cfg)), ("dq", W.dq_wgmma_kernel(cfg))):
                 info[name] = {**kernel_info(kern), "dynamic_smem": W.shared_bytes(cfg)}
+            if False in cfg_routes(cfg, routes):
+                kern = W.dkdv_wgmma_kernel(cfg, True)
+                info["dkdv_atomic"] = {**kernel_info(kern), "dynamic_smem": W.shared_bytes(cfg, True)}
             log(f"compiled {tag(cfg)} D{cfg.head_dim} {cfg.input_kind}: {json.dumps(info)}")
             compiled.append((cfg, info))
             continue
@@ -425,7 +429,7 @@ def main():
     ap.add_argument("--no-simt", action="store_true", help="do not time the fp16/bf16 SIMT backward (slow)")
     args = ap.parse_args()
     if torch.cuda.get_device_capability()[0] == 9:  # Hopper: the wgmma backward too
-        ROUTES.append((True, "wgmma"))
+        ROUTES.extend([(True, "wgmma"), (False, "wgmma")])
     dtypes = [DTYPES[s] for s in args.dtypes.split(",")]
     dims = [int(x) for x in args.dims.split(",")]
     if args.configs:
@@ -473,7 +477,8 @@ def main():
                     cq, ck, cv, cdo = (as_cupy(x) for x in (q, k, v, do))
                     o_, lse = api.forward_arrays(cq, ck, cv, causal=causal, bf16_bits=bf16)
                     routes = [("nb-tc", False, "tensor_core"), ("nb-tc-det", True, "tensor_core")]
-                    routes += [("nb-wgmma", True, "wgmma")] if (True, "wgmma") in ROUTES else []
+                    if (True, "wgmma") in ROUTES:
+                        routes += [("nb-wgmma", True, "wgmma"), ("nb-wgmma-atomic", False, "wgmma")]
                     routes += [] if args.no_simt else [("nb-simt", False, "simt")]
                     for name, det, backend in routes:
 

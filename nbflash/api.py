@@ -331,8 +331,14 @@ def attention_backward(
             *tensor cores*: deterministic — 141–186 TFLOP/s against 98–126
             atomic at D = 64 and 127–158 against 98–123 at D = 128 (N = 1k–16k,
             bf16/fp16): there the atomics of dQ cost more than recomputing S
-            and P in a second kernel; *wgmma* (Hopper): always deterministic
-            (it has no atomic route, and ``False`` only permits one).
+            and P in a second kernel; *wgmma* (Hopper): deterministic — the
+            atomic route (dQ from each dK/dV block through a shared dSᵀ tile
+            and one more wgmma, added by ``red.global.add.v2.f32``) measured
+            0.75–0.86× its speed at D = 64 and 0.87–1.03× at D = 128 (N = 1k–16k,
+            bf16/fp16, ``tc-backward-atomic-…H200-2026-12-01.log``): the float32
+            reductions of dQ cost about what the second kernel's recomputation
+            does.  ``False`` takes it where the configuration has 64-query
+            streamed tiles (every GPU default; not the simulator's 16-row ones).
         backend: ``"auto"`` (for float16/bfloat16: on a Hopper GPU (9.x)
             the wgmma backward of :mod:`nbflash.backward_wgmma` at head dims
             that are multiples of 8 up to 128 — measured 1.03–1.25× SDPA's
@@ -343,8 +349,7 @@ def attention_backward(
             to 128 on an sm_80+ GPU; the SIMT one otherwise), ``"simt"`` or
             ``"tensor_core"``, or ``"wgmma"`` (Hopper's warpgroup kernels,
             :mod:`nbflash.backward_wgmma`; compute capability 9.x, head dims
-            that are multiples of 8 up to 128; always deterministic, whatever
-            ``deterministic`` says); independent of the forward's backend
+            that are multiples of 8 up to 128); independent of the forward's backend
             (both read and write the same ``o`` and ``lse``).
 
     Returns:
@@ -486,9 +491,12 @@ def run_backward(
         _bwd_tc.launch_backward_tc(
             plan.config, do, q, k, v, o, lse, dq, dk, dv, scale, bool(causal), check=False, **flags
         )
-    elif plan.backend == "wgmma":  # always deterministic: dQ by its own kernel
+    elif plan.backend == "wgmma":  # atomic only where the configuration has it (64-query streamed tiles)
+        cfg = plan.config
+        det = flags["deterministic"] or not _bwd_wg.can_implement(cfg, do, q, k, v, o, atomic=True)[0]
         _bwd_wg.launch_backward_wgmma(
-            plan.config, do, q, k, v, o, lse, dq, dk, dv, scale, bool(causal), stream=stream, empty=empty, check=False
+            cfg, do, q, k, v, o, lse, dq, dk, dv, scale, bool(causal), stream=stream, empty=empty, check=False,
+            deterministic=det,
         )
     else:
         _bwd.launch_backward(plan.config, q, k, v, o, do, lse, dq, dk, dv, scale, bool(causal), **flags)

@@ -23,7 +23,8 @@ mistaken for the head dim.
    can use ``exp2``.  A row that saw no key has ``lse_i = -inf``; it gets
    ``lse2_i = +inf``, which makes every recomputed ``P_ij = exp2(… − inf) = 0``
    — zero gradients, never NaN.  The atomic variant's dQ accumulator is
-   cleared here too (same grid, same stream).
+   cleared here too, every row of it (same stream; a grid over the
+   accumulator's rows where it has more than q).
 
 1. **dK, dV** (grid: key tiles × heads × batch — parallel over keys, so every
    block owns its ``dK_j, dV_j`` and nothing is shared between blocks).  Load
@@ -427,9 +428,9 @@ def preprocess_kernel(cfg: TileConfig):
             if row < seqlen_q:
                 for d in range(tx, head_dim, THREADS_X):
                     part += to_acc(do[b, h, row, d]) * to_acc(o[b, h, row, d])
-                if clear_dq:  # every column of the accumulator, padding included
-                    for d in range(tx, dq_accum.shape[3], THREADS_X):
-                        dq_accum[b, h, row, d] = zero
+            if clear_dq and row < dq_accum.shape[2]:  # every row and column of the accumulator, padding included
+                for d in range(tx, dq_accum.shape[3], THREADS_X):
+                    dq_accum[b, h, row, d] = zero
             D_i = row_sum(part)  # every lane of the row takes part in the shuffles
             if tx == 0 and row < seqlen_q:
                 delta[b, h, row] = D_i

@@ -52,6 +52,18 @@ With ``P_ij = exp(S_ij·scale − lse_i)`` recomputed tile by tile::
 
    Finally ``dK_j · scale`` and ``dV_j`` are written once.
 
+   e. *Atomic route only* (``deterministic=False``; ``BLOCK_N`` a multiple of
+      64): ``dQ_i += dS K_j`` here instead of in step 2.  The packed dSᵀ
+      pairs go to a shared ``[key][query]`` tile (before the dK product is
+      issued: a wgmma's A registers may not even be read while it runs), a
+      barrier, then ``ldmatrix.trans`` reads dS back as A fragments (warp v:
+      queries 16v …) and one registers × shared product of ``m64n64k16``
+      per 64 queries (K_j N-major, one 64-column panel per warpgroup) gives
+      the block's share, added into a float32 accumulator by
+      ``red.global.add.v2.f32``.  The accumulator has whole tiles, rows and
+      panels, so the additions need no bounds test (a branch there made
+      ptxas serialise every wgmma of the kernel, its C7514).
+
 2. **dQ** (grid: query tiles of ``BLOCK_M`` rows).  Q_i and dO_i are copied
    once; K_j, V_j stream past, two buffers each.  Per key tile: ``S = Q_i
    K_jᵀ`` and ``dP = dO_i V_jᵀ`` (shared × shared, two groups), ``P = exp2(S
@@ -60,6 +72,14 @@ With ``P_ij = exp(S_ij·scale − lse_i)`` recomputed tile by tile::
    D_row)``, ``dQ_i += dS K_j`` (registers × shared, K_j N-major; with
    ``dq_stages=3`` left running under the next tile's barrier, as in 1d).
    ``dQ_i · scale`` written once.  No atomics: the same bits on every run.
+
+2'. **Convert** (atomic route): ``dq = accumulator · scale`` by the SIMT
+   kernel of :mod:`nbflash.backward`.  Measured on the H200 (bf16/fp16, N =
+   1k … 16k): 0.75–0.86× the deterministic route at D = 64 (64 keys per block:
+   twice the reductions per product of D = 128's 128) and 0.87–1.03× at D =
+   128, so ``deterministic=None`` keeps the two kernels.  FlashAttention-3
+   makes the same route pay with 128-key blocks and the reductions done
+   asynchronously from shared memory (TMA reduce-add by another warp).
 
 So each tile's barrier finds every warpgroup done with the buffers it
 refills: with two buffers because every product was waited for before it,
@@ -79,11 +99,12 @@ FlashAttention-2 backward over the grid; D = 64 0.91–1.13×; 0.58–0.70× cuD
 product pair waited for at once, lse2 and D read from global memory in the
 softmax) reached 99–204.  Three buffers per streamed tile bought 1–3 % in the
 dQ kernel and lost in dK/dV, whose accumulators then cross tiles in registers
-(255 and spills at D = 128; 251 instead of 168 at D = 64).  Next: a producer
-warpgroup as in the forward, and one kernel with dQ by atomics
-(FlashAttention-3's layout).  With the shared tile copier's short path
-(3f5a8c4, ``tc-backward-…-copier.json``, bf16): 234 / 309 / 333 at D = 128,
-1.11–1.15× FlashAttention-2; 0.97–1.16× at D = 64; 0.60–0.69× cuDNN.
+(255 and spills at D = 128; 251 instead of 168 at D = 64).  With the shared
+tile copier's short path (3f5a8c4, ``tc-backward-…-copier.json``, bf16): 234 /
+309 / 333 at D = 128, 1.11–1.15× FlashAttention-2; 0.97–1.16× at D = 64;
+0.60–0.69× cuDNN.  The atomic dQ route (step 1e, 2026-12-01) does not beat
+it (see step 2').  Next: a producer warpgroup copying by TMA as in the forward,
+and the dQ reductions made asynchronous from shared memory.
 """
 
 from __future__ import annotations
@@ -115,6 +136,7 @@ __all__ = [
     "kernel_signature",
     "launch_backward_wgmma",
     "shared_bytes",
+    "takes_atomic",
     "takes_head_dim",
 ]
 
@@ -179,9 +201,17 @@ def shared_offsets(cfg: WGBackwardConfig) -> tuple[int, int, int, int, int, int]
     return 0, a1, s0, s1, cols, cols + 2 * 2 * cfg.block_n * 2
 
 
+def ds_pitch(cfg: WGBackwardConfig) -> int:
+    """16-bit elements per row of the atomic route's shared dSᵀ tile (``[key][query]``): BLOCK_N + 8, so that
+    the eight rows one ``ldmatrix`` reads fall in different banks and every row starts 16-byte aligned."""
+    return cfg.block_n + 8
+
+
 @functools.cache
-def shared_bytes(cfg: WGBackwardConfig) -> int:
-    return shared_offsets(cfg)[-1] * 2
+def shared_bytes(cfg: WGBackwardConfig, atomic: bool = False) -> int:
+    """Dynamic shared memory of the kernels; ``atomic``: the dK/dV kernel with dQ by atomics (step 1e), whose
+    dSᵀ tile follows the layout of :func:`shared_offsets`."""
+    return (shared_offsets(cfg)[-1] + (cfg.block_m * ds_pitch(cfg) if atomic else 0)) * 2
 
 
 class _Consts:
@@ -206,8 +236,10 @@ class _Consts:
 
 
 @functools.cache
-def dkdv_wgmma_kernel(cfg: WGBackwardConfig):
-    """The compiled dK/dV kernel (step 1) for one configuration (cached)."""
+def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
+    """The compiled dK/dV kernel (step 1) for one configuration (cached); ``atomic_dq`` adds step 1e."""
+    if atomic_dq and cfg.block_n % 64:
+        raise ValueError(f"the atomic dQ route needs block_n a multiple of 64 (the M of its wgmma), got {cfg.block_n}")
     c = _Consts(cfg)
     BLOCK_M, BLOCK_N, D, D_PAD, THREADS = c.BLOCK_M, c.BLOCK_N, c.D, c.D_PAD, c.THREADS
     V_OFF, Q_OFF, DO_OFF, STRIDE, STAGES = c.A1, c.S0, c.S1, c.STRIDE, c.DKDV_STAGES
@@ -224,6 +256,14 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig):
     load_stream = swizzled_tile_loader(BLOCK_N, THREADS, D)
 
     COLS_F, COL_BUF = c.COLS_F, 2 * BLOCK_N  # lse2 / D buffers: float32 offset, floats per buffer
+    # Step 1e (atomic dQ): the shared dSᵀ tile, and which columns of dQ_i each warpgroup computes — half of the
+    # padded head dim each when that is whole 64-column panels, else all of it by warpgroup 0.
+    ATOMIC_DQ, DS_OFF, DS_PITCH = atomic_dq, shared_offsets(cfg)[-1], ds_pitch(cfg)
+    WARPGROUPS = BLOCK_M // 64
+    DQ_N = D_PAD // WARPGROUPS if (D_PAD // WARPGROUPS) % PANEL == 0 else D_PAD
+    DQ_TILES, DQ_M_CHUNKS, M_STEPS = DQ_N // 8, BLOCK_N // 64, BLOCK_M // 16
+    OWN_PANEL = c.OWN_PANEL
+    dq_prod = rs_product(DQ_N, "f16" if cfg.input_kind == "float16" else "bf16", M_STEPS, fresh=True)
 
     @device_function
     def stage_columns(smem_f, base, lse2, delta, b, h, start, seqlen_q, tid):
@@ -237,8 +277,8 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig):
                 smem_f[base + idx] = delta[b, h, row] if row < seqlen_q else ZERO
 
     @kernel(fastmath=True)
-    def flash_backward_dkdv_wgmma(q, k, v, do, lse2, delta, dk, dv, qk_scale_log2, scale, causal):
-        """One block: dK_j and dV_j for BLOCK_M keys of one (batch, head)."""
+    def flash_backward_dkdv_wgmma(q, k, v, do, lse2, delta, dk, dv, dq_accum, qk_scale_log2, scale, causal):
+        """One block: dK_j and dV_j for BLOCK_M keys of one (batch, head) (and, atomic route, their share of dQ)."""
         seqlen_q = q.shape[2]
         seqlen_k = k.shape[2]
         k_start = cuda.blockIdx.x * BLOCK_M  # the first key tiles have the most causal queries: they start first
@@ -253,6 +293,7 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig):
         # One block of dynamic shared memory, seen two ways: 16-bit tiles, float32 lse2 / D.
         smem = cuda.shared.array(0, numba.uint16, alignment=SMEM_ALIGN)
         smem_f = cuda.shared.array(0, numba.float32, alignment=SMEM_ALIGN)
+        smem32 = cuda.shared.array(0, numba.uint32, alignment=SMEM_ALIGN)  # (step 1e: dSᵀ pairs in 32-bit words)
 
         S = cuda.local.array((N_TILES, 4), numba.float32)  # Sᵀ, then Pᵀ
         dP = cuda.local.array((N_TILES, 4), numba.float32)  # dPᵀ, then dSᵀ
@@ -260,10 +301,20 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig):
         dV = cuda.local.array((D_TILES, 4), numba.float32)
         PA = cuda.local.array((N_STEPS, 4), numba.uint32)  # Pᵀ as A fragments
         SA = cuda.local.array((N_STEPS, 4), numba.uint32)  # dSᵀ as A fragments
+        DA = cuda.local.array((M_STEPS, 4), numba.uint32)  # step 1e: dS (queries × keys) as A fragments
+        dQ = cuda.local.array((DQ_TILES, 4), numba.float32)  # step 1e: this tile's share of dQ_i
         for n in range(D_TILES):
             for i in range(4):
                 dK[n, i] = ZERO
                 dV[n, i] = ZERO
+        # Step 1e: warpgroup wg adds columns dq_col0 .. dq_col0 + DQ_N - 1 of dQ_i (none when it has no share);
+        # its warp v reads queries 16v .. 16v + 15 of each 64-query chunk (the A rows of a wgmma).
+        dq_col0 = wg * DQ_N
+        dq_base = I.global_address(dq_accum, (b, h, 0, 2 * t)) if ATOMIC_DQ else numba.int64(0)
+        dq_row_bytes = dq_accum.strides[2]
+        bt_row, bt_col = I.d_ldmatrix_x4_bt_address(lane)  # ldmatrix.trans of dSᵀ rows → dS A fragments
+        k_desc_n = HW.d_make_smem_desc(HW.smem_address(smem, (dq_col0 // PANEL) * BLOCK_M * PANEL), OWN_PANEL, SBO,
+                                       SW128)  # K_j read N-major (dQ += dS K_j), from this warpgroup's panel
         # 2 stages: dK_j, dV_j live in the arrays between tiles.  3 stages: the products are still running
         # when a tile ends, so the accumulators themselves cross into the next tile (more registers).
         dv_t = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(D_PAD))
@@ -359,10 +410,42 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig):
                         dP[n, 2 * r + cc] = S[n, 2 * r + cc] * (dP[n, 2 * r + cc] - delta_c)
             for kk in range(N_STEPS):
                 p_frags(SA, dP, kk, kk)
+                if ATOMIC_DQ:  # step 1e's dSᵀ: the packed pairs to the shared [key][query] tile (before the
+                    # dK product is issued: a wgmma's A registers may not even be read while it runs)
+                    word = (DS_OFF + (16 * (tid // 32) + g) * DS_PITCH + 16 * kk + 2 * t) // 2
+                    smem32[word] = SA[kk, 0]
+                    smem32[word + 4 * DS_PITCH] = SA[kk, 1]  # 8 keys down: 8 · DS_PITCH / 2 words
+                    smem32[word + 4] = SA[kk, 2]  # 8 queries right
+                    smem32[word + 4 * DS_PITCH + 4] = SA[kk, 3]
             dk_t = HW.wgmma_fence_operand(HW.acc_from_array(dK, D_PAD) if STAGES == 2 else dk_t)
             HW.wgmma_fence()
             dk_t = rs_prod(dk_t, SA, q_desc_n + buf_off)
             HW.wgmma_commit_group()
+            if ATOMIC_DQ:
+                # Step 1e: dQ_i += dS K_j, added into the float32 accumulator in global memory.  It needs
+                # every key of the tile: every warp's rows of dSᵀ are written.  (ldmatrix reads through the
+                # generic proxy, so no proxy fence.)
+                cuda.syncthreads()
+                if dq_col0 < D_PAD:  # warp-uniform: this warpgroup has a share of the columns
+                    for mc in range(DQ_M_CHUNKS):
+                        q_row0 = 64 * mc + 16 * (tid // 32 % 4)  # the warp's 16 queries of the chunk
+                        for kk in range(M_STEPS):  # dS = (dSᵀ)ᵀ: ldmatrix.trans gives the A fragments
+                            a = I.ldmatrix_x4_trans(smem, DS_OFF + (16 * kk + bt_row) * DS_PITCH + q_row0 + bt_col)
+                            for i in range(4):
+                                DA[kk, i] = a[i]
+                        dq_t = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(DQ_N))
+                        HW.wgmma_fence()
+                        dq_t = dq_prod(dq_t, DA, k_desc_n)
+                        HW.wgmma_commit_group()
+                        HW.wgmma_wait_group(0)  # (dV, dK too: groups complete in order)
+                        HW.acc_to_array(HW.wgmma_fence_operand(dq_t), dQ)
+                        # One reduction per accumulator pair (query g or g + 8, columns 8n + 2t, + 1), with no
+                        # bounds test: the accumulator has whole tiles (see launch_backward_wgmma).
+                        for r in range(2):
+                            addr = dq_base + (q_start + q_row0 + g + 8 * r) * dq_row_bytes + 4 * dq_col0
+                            for n in range(DQ_TILES):
+                                I.red_add_f32x2(addr + 32 * n, dQ[n, 2 * r], dQ[n, 2 * r + 1])
+                # (the next tile's barrier comes after every warp's ldmatrix of this dSᵀ)
             if STAGES == 2:  # both products read Q_i, dO_i, refilled after the next barrier: wait here
                 HW.wgmma_wait_group(0)
                 HW.acc_to_array(HW.wgmma_fence_operand(dv_t), dV)
@@ -561,12 +644,15 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
     return WGBackwardConfig(128, 64, head_dim, input_kind, dq_stages=3)
 
 
-def can_implement(cfg: WGBackwardConfig, *arrays) -> tuple[bool, str]:
-    """Will this configuration run on these arrays (do, q, k, v, o, ...) on this device?  ``(ok, reason)``."""
+def can_implement(cfg: WGBackwardConfig, *arrays, atomic: bool = False) -> tuple[bool, str]:
+    """Will this configuration run on these arrays (do, q, k, v, o, ...) on this device (``atomic``: by the
+    atomic dQ route)?  ``(ok, reason)``."""
     ok, why = supported_device()
     if not ok:
         return False, why
-    need, limit = shared_bytes(cfg), max_shared_per_block()
+    if atomic and not takes_atomic(cfg):
+        return False, f"the atomic dQ route needs block_n a multiple of 64, got {cfg.block_n}"
+    need, limit = shared_bytes(cfg, atomic), max_shared_per_block()
     if need > limit:
         return False, f"needs {need} bytes of shared memory per block, the device allows {limit}"
     # do, q, k, v are copied by cp.async; o (read by the SIMT preprocess) and the gradients by plain accesses
@@ -574,41 +660,61 @@ def can_implement(cfg: WGBackwardConfig, *arrays) -> tuple[bool, str]:
     return not why, why
 
 
-def launch_backward_wgmma(cfg: WGBackwardConfig, do, q, k, v, o, lse, dq, dk, dv, scale: float, causal: bool,
-                          stream=0, empty=None, check: bool = True):
-    """Run steps 0–2 on canonical ``(B, H, N, D)`` views (float16, or bfloat16 as uint16), writing dq, dk, dv.
+def takes_atomic(cfg: WGBackwardConfig) -> bool:
+    """Can ``cfg`` run the atomic dQ route (step 1e: its wgmma's M is 64 queries of the streamed tile)?"""
+    return cfg.block_n % 64 == 0
 
-    Deterministic (dQ by its own kernel).  ``empty(shape, dtype)`` allocates the scratch (default: the array
-    module of ``q``); ``check=False`` skips :func:`can_implement` for a caller that has just run it.
+
+def launch_backward_wgmma(cfg: WGBackwardConfig, do, q, k, v, o, lse, dq, dk, dv, scale: float, causal: bool,
+                          stream=0, empty=None, check: bool = True, deterministic: bool = True):
+    """Run the steps on canonical ``(B, H, N, D)`` views (float16, or bfloat16 as uint16), writing dq, dk, dv.
+
+    ``deterministic=True``: steps 0, 1, 2 (dQ by its own kernel; the same bits on every run).  ``False``:
+    steps 0, 1 with 1e (dQ added by float32 atomics into a cleared accumulator), 2' (the SIMT conversion of
+    :mod:`nbflash.backward`); ``cfg`` must then :func:`takes_atomic`.  ``empty(shape, dtype)`` allocates the
+    scratch (default: the array module of ``q``); ``check=False`` skips :func:`can_implement` for a caller
+    that has just run it.
     """
-    ok, why = can_implement(cfg, do, q, k, v, o, dq, dk, dv) if check else (True, "")
+    ok, why = can_implement(cfg, do, q, k, v, o, dq, dk, dv, atomic=not deterministic) if check else (True, "")
     if not ok:
         raise ValueError(f"wgmma backward configuration {cfg} cannot run: {why}")
     if empty is None:
         empty = array_module(q).empty
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
-    simt = bw.choose_config(head_dim, cfg.input_kind, simulator=SIMULATOR).dq  # step 0
+    simt = bw.choose_config(head_dim, cfg.input_kind, simulator=SIMULATOR).dq  # steps 0 and 2'
     delta = empty((batch, heads, seqlen_q), np.float32)
     lse2 = empty((batch, heads, seqlen_q), np.float32)
-    dq_accum = empty((1, 1, 1, 1), np.float32)  # the preprocess kernel's atomic-route argument, unused here
+    # The atomic route's accumulator has whole query tiles and whole panels: step 1e adds every row and column
+    # of its share without a bounds test (a branch there makes ptxas serialise the wgmmas); rows past the end
+    # get zeros (dS is 0 there).  Step 0 clears all of it (its grid covers the padded rows), step 2' reads
+    # the first seqlen_q rows and head_dim columns.
+    rows = -(-seqlen_q // cfg.block_n) * cfg.block_n
+    shape = (1, 1, 1, 1) if deterministic else (batch, heads, rows, cfg.d_pad)  # unused when deterministic
+    dq_accum = empty(shape, np.float32)
     simt_grid, simt_block = (-(-seqlen_q // simt.block_m), heads, batch), (simt.threads_x, simt.threads_y, 1)
-    launch(bw.preprocess_kernel(simt), simt_grid, simt_block, stream, 0, o, do, lse, delta, lse2, dq_accum, False)
+    pre_grid = (-(-(seqlen_q if deterministic else rows) // simt.block_m), heads, batch)
+    launch(bw.preprocess_kernel(simt), pre_grid, simt_block, stream, 0, o, do, lse, delta, lse2, dq_accum,
+           not deterministic)
     qk_scale_log2, sc = float(scale * LOG2E), float(scale)
-    launch(dkdv_wgmma_kernel(cfg), (-(-seqlen_k // cfg.block_m), heads, batch), (cfg.threads, 1, 1), stream,
-           shared_bytes(cfg), *(q, k, v, do, lse2, delta, dk, dv, qk_scale_log2, sc, bool(causal)))
-    launch(dq_wgmma_kernel(cfg), (-(-seqlen_q // cfg.block_m), heads, batch), (cfg.threads, 1, 1), stream,
-           shared_bytes(cfg), *(q, k, v, do, lse2, delta, dq, qk_scale_log2, sc, bool(causal)))
+    launch(dkdv_wgmma_kernel(cfg, not deterministic), (-(-seqlen_k // cfg.block_m), heads, batch),
+           (cfg.threads, 1, 1), stream, shared_bytes(cfg, not deterministic),
+           *(q, k, v, do, lse2, delta, dk, dv, dq_accum, qk_scale_log2, sc, bool(causal)))
+    if deterministic:
+        launch(dq_wgmma_kernel(cfg), (-(-seqlen_q // cfg.block_m), heads, batch), (cfg.threads, 1, 1), stream,
+               shared_bytes(cfg), *(q, k, v, do, lse2, delta, dq, qk_scale_log2, sc, bool(causal)))
+    else:
+        launch(bw.dq_convert_kernel(simt), simt_grid, simt_block, stream, 0, dq_accum, dq, sc)
 
 
 def kernel_signature(cfg: WGBackwardConfig, name: str):
-    """The Numba argument types of kernel ``name`` ("dkdv" or "dq") for ``cfg`` (any strides)."""
+    """The Numba argument types of kernel ``name`` ("dkdv", "dkdv_atomic" or "dq") for ``cfg`` (any strides)."""
     from numba import types
 
     elem = types.float16 if cfg.input_kind == "float16" else types.uint16
     t4 = types.Array(elem, 4, "A")
-    f3 = types.Array(types.float32, 3, "A")
-    grads = (t4, t4) if name == "dkdv" else (t4,)
+    f3, f4 = types.Array(types.float32, 3, "A"), types.Array(types.float32, 4, "A")  # lse2, delta; dq_accum
+    grads = (t4, t4, f4) if name.startswith("dkdv") else (t4,)
     return (t4, t4, t4, t4, f3, f3, *grads, types.float64, types.float64, types.boolean)
 
 
@@ -619,5 +725,7 @@ def compile_targets():
         for kind in ("float16", "bfloat16"):
             cfg = choose_config(d, kind, simulator=False)
             rows.append(("flash_backward_dkdv_wgmma", cfg, dkdv_wgmma_kernel(cfg), kernel_signature(cfg, "dkdv"), True))
+            rows.append(("flash_backward_dkdv_wgmma_atomic", cfg, dkdv_wgmma_kernel(cfg, True),
+                         kernel_signature(cfg, "dkdv_atomic"), True))
             rows.append(("flash_backward_dq_wgmma", cfg, dq_wgmma_kernel(cfg), kernel_signature(cfg, "dq"), True))
     return rows

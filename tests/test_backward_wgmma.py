@@ -29,7 +29,7 @@ hopper = pytest.mark.skipif(not SIMULATOR and (compute_capability() or (0, 0))[0
 
 
 def launch(cfg, do, q, k, v, o, lse, dq, dk, dv, scale, causal, deterministic):
-    B.launch_backward_wgmma(cfg, do, q, k, v, o, lse, dq, dk, dv, scale, causal)
+    B.launch_backward_wgmma(cfg, do, q, k, v, o, lse, dq, dk, dv, scale, causal, deterministic=deterministic)
 
 
 @pytest.fixture(autouse=True)
@@ -75,6 +75,41 @@ def test_backward_wgmma_three_stages(xp, rng, kind, causal, n_q, n_k, d):
     cfg = B.WGBackwardConfig(64, 16, d, kind, dkdv_stages=3, dq_stages=3)
     got, values, scale = run_backward(xp, rng, n_q, n_k, d, kind, causal, True, heads=1, cfg=cfg, launch=launch)
     check_against_reference(got, values, scale, causal, kind)
+
+
+# The atomic dQ route (step 1e): 64-query streamed tiles, the M of its wgmma.  (kind, causal, seqlen_q,
+# seqlen_k, head dim, block_m, layout)
+ATOMIC_CASES = [
+    ("bfloat16", True, 70, 37, 64, 64, "bshd"),  # two query tiles, the second ragged; rows that see no key
+    ("float16", False, 37, 70, 40, 64, "bhsd"),  # D padded to a panel; two key blocks add into the same dQ rows
+    ("bfloat16", False, 33, 70, 96, 128, "bhsd"),  # two warpgroups, a panel of dQ's columns each; a ragged block
+]
+
+
+@hopper
+@pytest.mark.parametrize("kind,causal,n_q,n_k,d,block_m,layout", ATOMIC_CASES)
+def test_backward_wgmma_atomic_dq(xp, rng, kind, causal, n_q, n_k, d, block_m, layout):
+    """dQ by float32 atomics inside the dK/dV kernel: dSᵀ through a shared tile, read back transposed by
+    ldmatrix as the A operand of ``dQ_i += dS K_j`` (K_j N-major), each warpgroup adding its panel of
+    columns into the padded accumulator; then the SIMT conversion."""
+    cfg = B.WGBackwardConfig(block_m, 64, d, kind)
+    assert B.takes_atomic(cfg)
+    got, values, scale = run_backward(xp, rng, n_q, n_k, d, kind, causal, False, layout=layout, heads=1, cfg=cfg,
+                                      launch=launch)
+    check_against_reference(got, values, scale, causal, kind)
+
+
+def test_atomic_route_needs_64_query_tiles():
+    cfg = B.WGBackwardConfig(64, 16, 64, "float16")
+    assert not B.takes_atomic(cfg)
+    with pytest.raises(ValueError, match="block_n a multiple of 64"):
+        B.dkdv_wgmma_kernel(cfg, True)
+    if SIMULATOR:
+        x = np.zeros((1, 1, 16, 64), np.float16)
+        lse = np.zeros((1, 1, 16), np.float32)
+        with pytest.raises(ValueError, match="block_n a multiple of 64"):
+            B.launch_backward_wgmma(cfg, x, x, x, x, x, lse, x.copy(), x.copy(), x.copy(), 0.125, False,
+                                    deterministic=False)
 
 
 @hopper
