@@ -228,7 +228,7 @@ class _Consts:
         self.K_STEPS = cfg.d_pad // 16  # k-steps of the shared × shared products
         self.N_STEPS = cfg.block_n // 16  # k-steps of the registers × shared products
         self.OWN_PANEL, self.STREAM_PANEL = cfg.block_m * PANEL * 2, cfg.block_n * PANEL * 2  # bytes per panel
-        kind = "f16" if cfg.input_kind == "float16" else "bf16"
+        self.kind = kind = "f16" if cfg.input_kind == "float16" else "bf16"
         # shared (own tile) × shared (streamed tile), both K-major; registers × shared (streamed, N-major)
         self.ss = ss_product(cfg.block_n, kind, self.K_STEPS, self.OWN_PANEL, self.STREAM_PANEL)
         self.rs = rs_product(cfg.d_pad, kind, self.N_STEPS)
@@ -238,8 +238,8 @@ class _Consts:
 @functools.cache
 def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
     """The compiled dK/dV kernel (step 1) for one configuration (cached); ``atomic_dq`` adds step 1e."""
-    if atomic_dq and cfg.block_n % 64:
-        raise ValueError(f"the atomic dQ route needs block_n a multiple of 64 (the M of its wgmma), got {cfg.block_n}")
+    if atomic_dq and not takes_atomic(cfg):
+        raise ValueError(_atomic_refusal(cfg))
     c = _Consts(cfg)
     BLOCK_M, BLOCK_N, D, D_PAD, THREADS = c.BLOCK_M, c.BLOCK_N, c.D, c.D_PAD, c.THREADS
     V_OFF, Q_OFF, DO_OFF, STRIDE, STAGES = c.A1, c.S0, c.S1, c.STRIDE, c.DKDV_STAGES
@@ -263,7 +263,7 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
     DQ_N = D_PAD // WARPGROUPS if (D_PAD // WARPGROUPS) % PANEL == 0 else D_PAD
     DQ_TILES, DQ_M_CHUNKS, M_STEPS = DQ_N // 8, BLOCK_N // 64, BLOCK_M // 16
     OWN_PANEL = c.OWN_PANEL
-    dq_prod = rs_product(DQ_N, "f16" if cfg.input_kind == "float16" else "bf16", M_STEPS, fresh=True)
+    dq_prod = rs_product(DQ_N, c.kind, M_STEPS)
 
     @device_function
     def stage_columns(smem_f, base, lse2, delta, b, h, start, seqlen_q, tid):
@@ -651,7 +651,7 @@ def can_implement(cfg: WGBackwardConfig, *arrays, atomic: bool = False) -> tuple
     if not ok:
         return False, why
     if atomic and not takes_atomic(cfg):
-        return False, f"the atomic dQ route needs block_n a multiple of 64, got {cfg.block_n}"
+        return False, _atomic_refusal(cfg)
     need, limit = shared_bytes(cfg, atomic), max_shared_per_block()
     if need > limit:
         return False, f"needs {need} bytes of shared memory per block, the device allows {limit}"
@@ -663,6 +663,10 @@ def can_implement(cfg: WGBackwardConfig, *arrays, atomic: bool = False) -> tuple
 def takes_atomic(cfg: WGBackwardConfig) -> bool:
     """Can ``cfg`` run the atomic dQ route (step 1e: its wgmma's M is 64 queries of the streamed tile)?"""
     return cfg.block_n % 64 == 0
+
+
+def _atomic_refusal(cfg: WGBackwardConfig) -> str:
+    return f"the atomic dQ route needs block_n a multiple of 64 (the M of its wgmma), got {cfg.block_n}"
 
 
 def launch_backward_wgmma(cfg: WGBackwardConfig, do, q, k, v, o, lse, dq, dk, dv, scale: float, causal: bool,

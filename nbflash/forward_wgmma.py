@@ -307,19 +307,16 @@ def ss_product(n: int, kind: str, k_steps: int, a_panel: int, b_panel: int):
 
 
 @functools.cache
-def rs_product(n: int, kind: str, k_steps: int, fresh: bool = False):
+def rs_product(n: int, kind: str, k_steps: int):
     """``acc = product(acc, A, b_desc)``: issue acc += A·B (64 × n), A from registers (``A[kk, 0..3]``, the
     fragments of k-step kk) and B an N-major swizzled tile whose rows are the k index (16 rows of 128 bytes,
-    2048 bytes, per k-step).  ``fresh``: acc = A·B, the first k-step ignoring ``acc`` (``scale_d = 0``; so
-    no instruction need read the accumulators before the product, which would make ptxas serialise the
-    wgmmas in flight, its C7514).  Issue only, as :func:`ss_product`."""
+    2048 bytes, per k-step).  Issue only, as :func:`ss_product`."""
     wgmma_rs = HW.wgmma_rs(n, kind, trans_b=True)
     u64 = numba.uint64
 
     def product(acc, A, b_desc):
         for kk in range(k_steps):
-            keep = kk > 0 if fresh else True
-            acc = wgmma_rs(A[kk, 0], A[kk, 1], A[kk, 2], A[kk, 3], b_desc + u64((2048 * kk) >> 4), acc, keep)
+            acc = wgmma_rs(A[kk, 0], A[kk, 1], A[kk, 2], A[kk, 3], b_desc + u64((2048 * kk) >> 4), acc, 1)
         return acc
 
     return device_function(product)
