@@ -4,8 +4,8 @@
 
 The ``mma.sync`` forward at head dims 40, 64, 128 and 256 and its backward at 64 and 128 (both dQ routes),
 and on a Hopper GPU the ``wgmma`` forward and backward defaults at 40, 64 and 128 (the backward by both dQ
-routes; the forward's producer copies by TMA), and the forward that copies with cp.async instead at 64 and
-128: bshd views, ragged K/V
+routes; the forward's producer copies by TMA), the forward that copies with cp.async instead at 64 and
+128, and the long-sequence default at both (at D = 64 a 128 × 192 ws-overlap kernel): bshd views, ragged K/V
 (seqlen_q ≠ seqlen_k), causal with rows that see no key — whole tiles take the tile copier's short path, the
 last ones its general path, and every output goes through the packed-pair epilogue.
 """
@@ -38,6 +38,9 @@ for d in (40, 64, 128, 256):
         cfg = forward_wgmma.choose_config(d, "float16", simulator=False, copies="cp.async")
         qh, kh = x.transpose(0, 2, 1, 3), kv.transpose(0, 2, 1, 3)  # (B, H, N, D) views of the bshd arrays
         o4 = cp.empty_like(qh)
+        forward_wgmma.launch_forward_wgmma(cfg, qh, kh, kh, o4, cp.empty(qh.shape[:3], cp.float32), d**-0.5, True)
+        # ... and the long-sequence default (D <= 64: 128 × 192 ws-overlap, registers moved by setmaxnreg)
+        cfg = forward_wgmma.choose_config(d, "float16", simulator=False, long_keys=True)
         forward_wgmma.launch_forward_wgmma(cfg, qh, kh, kh, o4, cp.empty(qh.shape[:3], cp.float32), d**-0.5, True)
 cp.cuda.Device().synchronize()
 print("sanitize_tc: all kernels ran")

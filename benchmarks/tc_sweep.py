@@ -74,23 +74,26 @@ WG_CANDIDATES = {
          (192, 64, "overlap"), (64, 128, "overlap"), (128, 64, "pingpong"), (128, 128, "pingpong"),
          (128, 128, "ws:2"), (128, 128, "ws:3"), (128, 128, "ws:4"), (128, 192, "ws:2"), (128, 64, "ws:3"),
          (128, 128, "ws-overlap:3"), (128, 192, "ws-overlap:3"), (128, 128, "ws:2:tma"), (128, 64, "ws:3:tma"),
-         (128, 128, "ws:3:tma")],
+         (128, 128, "ws:3:tma"), (128, 128, "ws:2:tma:r"), (128, 128, "ws-overlap:3:tma:r"),
+         (128, 192, "ws:2:tma:r"), (128, 192, "ws-overlap:3:tma:r")],
     128: [(128, 128, "plain"), (128, 128, "overlap"), (128, 64, "overlap"), (64, 128, "overlap"),
           (128, 128, "pingpong"), (128, 64, "pingpong"), (128, 128, "ws:2"), (128, 128, "ws:3"), (128, 64, "ws:3"),
           (128, 64, "ws:4"), (128, 192, "ws:2"), (128, 128, "ws-overlap:3"), (128, 128, "ws-overlap:4"),
           (128, 64, "ws-overlap:4"), (128, 128, "ws:2:tma"), (128, 128, "ws:3:tma"), (128, 64, "ws:3:tma"),
-          (128, 64, "ws:4:tma"), (128, 192, "ws:2:tma"), (128, 128, "ws-overlap:3:tma")],
+          (128, 64, "ws:4:tma"), (128, 192, "ws:2:tma"), (128, 128, "ws-overlap:3:tma"),
+          (128, 128, "ws:2:tma:r"), (128, 128, "ws-overlap:3:tma:r"), (128, 192, "ws:2:tma:r")],
     256: [(128, 64, "overlap"), (128, 64, "ws:2"), (128, 32, "ws:3")],
 }
 
 
 def wg_config(bm, bn, d, kind, pipe) -> W.WGConfig:
     """A :class:`~nbflash.forward_wgmma.WGConfig` from a candidate (``"ws:3"``: the ws pipeline, 3 stages;
-    ``"ws:3:tma"``: the same with TMA copies)."""
+    ``"ws:3:tma"``: the same with TMA copies; ``"ws:3:tma:r"``: and registers moved by ``setmaxnreg``)."""
     name, _, rest = pipe.partition(":")
-    stages, _, copies = rest.partition(":")
+    stages, _, rest = rest.partition(":")
+    copies, _, regs = rest.partition(":")
     return W.WGConfig(bm, bn, d, kind, name, **({"stages": int(stages)} if stages else {}),
-                      **({"copies": copies} if copies else {}))
+                      **({"copies": copies} if copies else {}), setmaxnreg=regs == "r")
 #: Names accepted by --configs besides tags: choose_config's pick for each head dim and dtype, its split pipeline,
 #: the same with S = Q Kᵀ in straight-line groups of 1 or 2 k-steps (``qk_unroll``), and the wgmma kernel's pick.
 NAMED = ("default", "default-split", "default-u1", "default-u2", "wg-default")
@@ -104,11 +107,13 @@ def tag(cfg) -> str:
     ``-u1``: S = Q Kᵀ as straight-line code in groups of one k-step (``qk_unroll``);
     ``wg128x128``: the wgmma kernel's tiles, overlapped pipeline (``-plain``: every product waited for at once;
     ``-pp``: the two warpgroups take turns; ``-ws3``: a producer warpgroup and 3 K/V stages; ``-wso3``: the same,
-    each warpgroup also overlapping its softmax with its own P V; ``-tma``: the producer copies with TMA)."""
+    each warpgroup also overlapping its softmax with its own P V; ``-tma``: the producer copies with TMA; ``-r``:
+    ``setmaxnreg`` moves registers from the producer to the consumers)."""
     if isinstance(cfg, W.WGConfig):
         suffix = {"plain": "-plain", "overlap": "", "pingpong": "-pp", "ws": f"-ws{cfg.stages}",
                   "ws-overlap": f"-wso{cfg.stages}"}[cfg.pipeline]
-        return f"wg{cfg.block_m}x{cfg.block_n}{suffix}{'-tma' if cfg.copies == 'tma' else ''}"
+        copies = "-tma" if cfg.copies == "tma" else ""
+        return f"wg{cfg.block_m}x{cfg.block_n}{suffix}{copies}{'-r' if cfg.setmaxnreg else ''}"
     return (
         f"{cfg.block_m}x{cfg.block_n}{'' if cfg.q_in_regs else 's'}{'/2' if cfg.m_tiles == 2 else ''}"
         f"{'-split' if cfg.kv_pipeline == 'split' else ''}{f'-u{cfg.qk_unroll}' if cfg.qk_unroll else ''}"

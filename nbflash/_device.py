@@ -741,8 +741,28 @@ class PtxasError(RuntimeError):
         self.log = log
 
 
+def compile_ltoir_offline(pyfunc, signature, cc=(9, 0), **options) -> bytes:
+    """Compile a kernel's Python source to NVVM's link-time-optimisation IR, as numba-cuda does on a GPU.
+
+    On a machine with nvJitLink, numba-cuda compiles every kernel this way and
+    links it with link-time optimisation: ptxas then sees the whole program.
+    That matters for what ptxas may do (``setmaxnreg`` is honoured only then),
+    so :func:`ptxas_info_lto` of this is the faithful offline view of the GPU's
+    kernel.  Needs no GPU; must be called without the simulator active.
+    """
+    if SIMULATOR:
+        raise RuntimeError("compile_ltoir_offline needs the real numba-cuda, not the simulator")
+    with _pretend_device(cc):
+        code, _ = cuda.compile(pyfunc, signature, cc=cc, device=False, output="ltoir", abi="numba", **options)
+    return bytes(code)
+
+
 def ptxas_info(ptx: str, arch: str = "sm_90", *, check: bool = True) -> dict:
     """Assemble ``ptx`` for ``arch`` (``"sm_80"``, ``"sm_90"``, ``"sm_90a"``…) with ptxas, through nvJitLink.
+
+    ``ptx`` is PTX text (assembled as code for linking, as PTX handed to a
+    linker is) or the ``bytes`` of LTO IR from :func:`compile_ltoir_offline`
+    (linked with link-time optimisation, as numba-cuda links on a GPU).
 
     Needs no GPU and no driver, only the ``cuda.bindings`` package (imported
     here, not at module load); without it this raises :class:`ImportError`, so
@@ -759,12 +779,14 @@ def ptxas_info(ptx: str, arch: str = "sm_90", *, check: bool = True) -> dict:
     """
     from cuda.bindings import nvjitlink
 
-    options = [f"-arch={arch}", "-verbose"]
+    lto = isinstance(ptx, bytes)  # LTO IR (compile_ltoir_offline): linked whole, ptxas' log asked for by -Xptxas
+    options = [f"-arch={arch}", "-verbose"] + (["-lto", "-Xptxas=-v"] if lto else [])
     handle = nvjitlink.create(len(options), options)
     try:
-        data = ptx.encode()
+        data = ptx if lto else ptx.encode()
+        kind = nvjitlink.InputType.LTOIR if lto else nvjitlink.InputType.PTX
         try:  # ptxas runs in add_data (or in complete)
-            nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel.ptx")
+            nvjitlink.add_data(handle, kind, data, len(data), "kernel.ltoir" if lto else "kernel.ptx")
             nvjitlink.complete(handle)
             ok = True
         except nvjitlink.nvJitLinkError:

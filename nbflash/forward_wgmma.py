@@ -100,9 +100,14 @@ product at a time, so neither waits for the other at a tile boundary::
 The producer issues no wgmma, so the kernel's branch on the warpgroup is on
 :func:`~nbflash._device.warp_uniform` (lane 0's value): ptxas otherwise
 treats it as divergent and serialises the wgmmas behind it.  384 threads
-leave 168 registers per thread; the producer needs few, but Numba's
-linked compile gives ptxas no way to move them (``setmaxnreg`` is ignored in
-code compiled for linking, ptxas' C7504), so the consumers keep to 168.
+leave 168 registers per thread; the producer needs few.  With
+``setmaxnreg=True`` it gives them back as soon as the roles split
+(:func:`~nbflash.hopper.setmaxnreg_dec` to 24) and each consumer takes 240
+(:func:`~nbflash.hopper.setmaxnreg_inc`).  ptxas honours this only in a
+whole-program compile (numba-cuda's default link-time optimisation; PTX
+assembled for linking ignores it, C7504) and only if no instruction reached
+after the decrease needs more: so the producer's branch ends with ``return``
+instead of running on past the consumers' loops (else C7507).
 
 With ``copies="tma"`` (:mod:`nbflash.tma`; the default up to D = 128) the
 producer's first thread copies instead: per tile one ``arrive.expect_tx`` on the stage's mbarrier
@@ -123,7 +128,10 @@ argument is made for each launch's own arrays (:func:`tensor_maps`: a
 ``"ws-overlap"`` (ws, 3 or 4 stages): each consumer also overlaps its own
 softmax with its P V, as in ``"overlap"``: its turn issues S_j and
 O += P_{j-1} V_{j-1} together.  Tile j - 1 is released only after that P V,
-hence a third stage.  It needs about 200 registers per thread.
+hence a third stage.  It needs about 200 registers per thread, so it takes
+``setmaxnreg`` (without it, 168 registers: spills, and ptxas serialises the
+wgmmas).  The default from D = 72 to 128 (128 × 128), and at D <= 64 for long
+sequences (128 × 192).
 
 Requires sm_90a.  Constraints (:func:`can_implement`) as for the ``mma.sync``
 kernel: D a multiple of 8 up to 256; rows whole, 16-byte-aligned chunks.
@@ -171,6 +179,9 @@ PANEL = 64  # head-dim columns per 128-byte swizzled line
 PIPELINES = ("plain", "overlap", "pingpong", "ws", "ws-overlap")
 PRODUCER_THREADS = 128  # the ws pipeline's copying warpgroup
 COPIES = ("cp.async", "tma")  # the ws producer's copy instructions
+#: ws with ``setmaxnreg``: registers per thread of the producer and of each consumer warpgroup after the move
+#: (FlashAttention-3's split; 128 · 24 + 256 · 240 = 64512 of the SM's 65536).
+REGISTERS = (24, 240)
 
 
 @dataclass(frozen=True)
@@ -188,6 +199,7 @@ class WGConfig:
     pipeline: str = "overlap"  # one of PIPELINES: the schedules of the module docstring
     stages: int = 2  # K/V buffers of the warp-specialised pipelines ("ws": 2 to 4, "ws-overlap": 3 or 4)
     copies: str = "cp.async"  # how the ws producer copies: "cp.async" (16 bytes per thread) or "tma" (one box each)
+    setmaxnreg: bool = False  # ws: the producer gives registers to the consumers (REGISTERS: 24 and 240 per thread)
 
     def __post_init__(self):
         if self.block_m not in (64, 128, 192):
@@ -214,6 +226,9 @@ class WGConfig:
         if self.copies == "tma" and not self.warp_specialized:
             raise ValueError(f"TMA copies are issued by the producer of a ws pipeline, not by the {self.pipeline} "
                              "pipeline")
+        if self.setmaxnreg and not self.warp_specialized:
+            raise ValueError(f"setmaxnreg moves registers from a ws pipeline's producer to its consumers; the "
+                             f"{self.pipeline} pipeline has no producer")
         if not self.warp_specialized and self.stages != 2:
             raise ValueError(f"stages applies to the ws pipeline only (the {self.pipeline} pipeline fixes its "
                              f"buffers), got stages={self.stages}")
@@ -356,6 +371,8 @@ def forward_wgmma_kernel(cfg: WGConfig):
 
     LOAD_THREADS = PRODUCER_THREADS if WS else THREADS  # ws: only the producer warpgroup copies
     TMA = cfg.copies == "tma"  # ws: the producer's first thread copies whole boxes, mbarriers count the bytes
+    SETMAXNREG = cfg.setmaxnreg  # ws: registers move from the producer to the consumers once the roles split
+    PRODUCER_REGS, CONSUMER_REGS = REGISTERS
     PANELS = D_PAD // PANEL  # TMA boxes per tile: one per 64-column panel (columns past D arrive as zeros)
     Q_BYTES, KV_BYTES = BLOCK_M * D_PAD * 2, 2 * BLOCK_N * D_PAD * 2  # bytes of Q_i, of K_j and V_j together
 
@@ -494,6 +511,8 @@ def forward_wgmma_kernel(cfg: WGConfig):
         if producer and TMA:
             # ws with TMA: the producer's first thread issues one box per panel of each tile, its other threads
             # only join the EMPTY handshakes.  Tiles 0 .. STAGES - 2 first (Q_i with tile 0).
+            if SETMAXNREG:
+                HW.setmaxnreg_dec(PRODUCER_REGS)  # a few counters and addresses: the rest go to the consumers
             issuer = tid == CONSUMERS
             for tile in range(STAGES - 1):
                 if issuer and tile < n_tiles:
@@ -506,9 +525,14 @@ def forward_wgmma_kernel(cfg: WGConfig):
                         HW.named_barrier_sync(EMPTY + (j - 1) % STAGES, HANDSHAKE)
                     if issuer:
                         issue_tile(smem, maps, bars, b, h, q_start, tile, tile % STAGES, tile == 0)
+            # Done.  The thread ends here rather than running past the consumers' code: ptxas keeps a decreased
+            # register count only if no instruction reachable after it needs more.
+            return
 
         if producer and not TMA:
             # ws, the producer warpgroup only copies.  Tiles 0 .. STAGES - 2 first (Q_i with tile 0), one group each.
+            if SETMAXNREG:
+                HW.setmaxnreg_dec(PRODUCER_REGS)
             ptid = tid - CONSUMERS
             if n_tiles > 0:
                 load_q(smem, 0, q, b, h, q_start, seqlen_q, ptid)
@@ -536,7 +560,11 @@ def forward_wgmma_kernel(cfg: WGConfig):
                     load_kv(smem, K_OFF + (tile % STAGES) * KV_STRIDE, k, b, h, tile * BLOCK_N, seqlen_k, ptid)
                     load_kv(smem, V_OFF + (tile % STAGES) * KV_STRIDE, v, b, h, tile * BLOCK_N, seqlen_k, ptid)
                 I.cp_async_commit()
+            I.cp_async_wait_all()  # only empty groups are left; the thread ends here, as the TMA producer's does
+            return
 
+        if SETMAXNREG:
+            HW.setmaxnreg_inc(CONSUMER_REGS)  # a consumer: take the registers the producer gave back
         if WS and wg == 1 and n_tiles > 0:
             HW.named_barrier_arrive(TURN_0, PAIR)  # ws: warpgroup 0 takes the first turn
 
@@ -726,8 +754,28 @@ def forward_wgmma_kernel(cfg: WGConfig):
 
 
 @functools.cache
-def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR, copies: str = "tma") -> WGConfig:
+def choose_config(
+    head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR, copies: str = "tma", long_keys: bool = False
+) -> WGConfig:
     """The configuration for a head dim (any multiple of 8 up to 256), chosen by the H200 sweeps.
+
+    ``long_keys``: at least :data:`WSO_MIN_KEYS_D64` keys (it matters at D <= 64 only).
+
+    Since ``tc-forward-NVIDIA-H200-2026-12-01-setmaxnreg.json`` (bf16, N = 1k /
+    4k / 16k; the ws pipeline before in the same run): the producer gives its
+    registers to the consumers (``setmaxnreg``, 24 and 240), so the
+    ws-overlap pipeline no longer spills.
+
+    * 64 < D <= 128: ws-overlap, 128 × 128, 3 stages, TMA: 373 / 517 / 555
+      non-causal and 221 / 406 / 564 causal, against 351 / 482 / 548 and
+      218 / 388 / 484 (+1 % to +16 %).
+    * D <= 64 from :data:`WSO_MIN_KEYS_D64` keys: ws-overlap, 128 × 192, 3
+      stages, TMA: 386 / 425 non-causal and 335 / 410 causal at 4k / 16k,
+      against 363 / 395 and 330 / 377 (+2 % to +9 %); at 1k it is 4–12 %
+      slower, so shorter sequences keep the ws pipeline (and the plain kernel
+      below :data:`TMA_MIN_KEYS_D64`).
+
+    Before that:
 
     ``benchmarks/results/tc-forward-NVIDIA-H200-2026-11-30-wgmma-*.json``
     (bf16, batch·N = 16k, heads·D = 2048; TFLOP/s at N = 1k / 4k / 16k,
@@ -779,7 +827,11 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
     if simulator:
         return WGConfig(64, 16, head_dim, input_kind)
     d_pad = -(-head_dim // PANEL) * PANEL
-    if d_pad <= 128 and copies == "tma":
+    if 64 < d_pad <= 128 and copies == "tma":
+        return WGConfig(128, 128, head_dim, input_kind, "ws-overlap", stages=3, copies="tma", setmaxnreg=True)
+    if d_pad <= 64 and copies == "tma" and long_keys:
+        return WGConfig(128, 192, head_dim, input_kind, "ws-overlap", stages=3, copies="tma", setmaxnreg=True)
+    if d_pad <= 64 and copies == "tma":
         return WGConfig(128, 128, head_dim, input_kind, "ws", stages=2, copies="tma")
     if d_pad <= 64:
         return WGConfig(128, 64, head_dim, input_kind, "plain")
@@ -791,6 +843,9 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
 #: At D <= 64 the TMA pipeline pays from this many keys on; below, the plain 128 × 64 kernel is faster
 #: (``tc-forward-NVIDIA-H200-2026-12-01-tma-default.json``: at N = 512 and 1k, by up to 12 %).
 TMA_MIN_KEYS_D64 = 1025
+#: At D <= 64 the 128 × 192 ws-overlap kernel pays from about this many keys on (the setmaxnreg sweep: slower at
+#: 1k, faster at 4k and 16k).
+WSO_MIN_KEYS_D64 = 2049
 
 
 def config_for(head_dim: int, input_kind: str, q, k, v) -> WGConfig:
@@ -802,7 +857,7 @@ def config_for(head_dim: int, input_kind: str, q, k, v) -> WGConfig:
     16 bytes, as for k and v broadcast over heads) or, at D <= 64, for fewer
     than :data:`TMA_MIN_KEYS_D64` keys.
     """
-    cfg = choose_config(head_dim, input_kind)
+    cfg = choose_config(head_dim, input_kind, long_keys=k.shape[2] >= WSO_MIN_KEYS_D64)
     if cfg.copies == "tma" and (
         (cfg.d_pad <= 64 and k.shape[2] < TMA_MIN_KEYS_D64) or not can_implement(cfg, q, k, v)[0]
     ):
@@ -904,7 +959,8 @@ def _maps_maker(q_rows: int, kv_rows: int):
 def compile_targets():
     """``(name, cfg, kernel, signature, fastmath)`` for the GPU configurations (the PTX check, sm_90a)."""
     dims = (40, 64, 96, 128, 176, 256)
-    cfgs = list(dict.fromkeys(choose_config(d, kind, simulator=False, copies=copies)
+    cfgs = list(dict.fromkeys(choose_config(d, kind, simulator=False, copies=copies, long_keys=long_keys)
+                              for long_keys in (False, True)
                               for d in dims for kind in ("float16", "bfloat16") for copies in COPIES))
     return [("flash_forward_wgmma", cfg, forward_wgmma_kernel(cfg), kernel_signature(cfg), True) for cfg in cfgs]
 

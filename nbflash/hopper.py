@@ -49,6 +49,17 @@ Register-A form (:func:`wgmma_rs`)
     the two are not ordered with each other.  A thread that wrote a tile with
     normal stores must execute this fence *before* the barrier that precedes
     the wgmma reading it.  (TMA writes through the async proxy and needs none.)
+``setmaxnreg.inc`` / ``setmaxnreg.dec`` (:func:`setmaxnreg_inc`, :func:`setmaxnreg_dec`)
+    Give this warpgroup's registers back to the block's pool, or take more
+    from it, per thread (a multiple of 8, 24 … 256).  A warp-specialised
+    kernel starts every thread at the count its launch bounds allow (384
+    threads: 168) and then moves them from the copying warpgroup to the
+    computing ones (FlashAttention-3: 24 and 240).  ptxas honours it only when
+    it sees the whole program (Numba's default link-time optimisation does;
+    PTX assembled for linking ignores it, its C7504) and when no code reached
+    after a decrease needs more than the new count: the producer's branch
+    must end the thread, not fall through into the consumers' code (else
+    C7507).
 
 The protocol, per k-loop iteration::
 
@@ -215,6 +226,8 @@ __all__ = [
     "mnmajor_sw128_offset",
     "named_barrier_arrive",
     "named_barrier_sync",
+    "setmaxnreg_dec",
+    "setmaxnreg_inc",
     "smem_address",
     "smem_desc_address",
     "wgmma",
@@ -857,6 +870,37 @@ def _make_gpu_statement(name, ptx):
     return intrinsic(statement)
 
 
+def _sim_setmaxnreg(count):
+    """Set this warpgroup's registers per thread to ``count`` (PTX ``setmaxnreg.{inc,dec}.sync.aligned.u32``; sm_90a).
+
+    ``count`` is an immediate: a compile-time constant, a multiple of 8 from 24
+    to 256; all four warps of the warpgroup execute it together.  ``inc``
+    waits until the block's pool has the registers, ``dec`` returns them.
+    Simulator: the count is checked, registers are not modelled.
+    """
+    if not (24 <= count <= 256 and count % 8 == 0):
+        raise ValueError(f"setmaxnreg takes a multiple of 8 from 24 to 256, got {count}")
+
+
+def _make_gpu_setmaxnreg(op):
+    def setmaxnreg(typingctx, count):
+        if not isinstance(count, types.IntegerLiteral):
+            return None  # an immediate: count must be a compile-time constant
+        regs = int(count.literal_value)
+        if not (24 <= regs <= 256 and regs % 8 == 0):
+            raise ValueError(f"setmaxnreg takes a multiple of 8 from 24 to 256, got {regs}")
+
+        def codegen(context, builder, sig, args):
+            _asm(builder, ir.VoidType(), [], f"setmaxnreg.{op}.sync.aligned.u32 {regs};", "~{memory}", [],
+                 side_effect=True, warp_wide=True)
+            return context.get_dummy_value()
+
+        return types.void(count), codegen
+
+    setmaxnreg.__name__ = f"setmaxnreg_{op}"
+    return intrinsic(setmaxnreg)
+
+
 @intrinsic
 def _gpu_wgmma_wait_group(typingctx, n):
     if not isinstance(n, types.IntegerLiteral):
@@ -1039,6 +1083,8 @@ wgmma_wait_group = _public(_sim_wgmma_wait_group, lambda: _gpu_wgmma_wait_group)
 fence_proxy_async = _public(_sim_fence_proxy_async,
                             lambda: _make_gpu_statement("fence_proxy_async", "fence.proxy.async.shared::cta;"))
 wgmma_fence_operand = _public(_sim_wgmma_fence_operand, lambda: _gpu_wgmma_fence_operand)
+setmaxnreg_inc = _public(_sim_setmaxnreg, lambda: _make_gpu_setmaxnreg("inc"))
+setmaxnreg_dec = _public(_sim_setmaxnreg, lambda: _make_gpu_setmaxnreg("dec"))
 wgmma_acc_zeros = _public(_sim_wgmma_acc_zeros, lambda: _gpu_wgmma_acc_zeros)
 
 _WGMMA = {(n, kind): _public(_make_sim_wgmma(n, kind), functools.partial(_make_gpu_wgmma, n, kind))

@@ -81,7 +81,9 @@ def test_forward_wgmma_warp_specialized(xp, rng, pipeline, stages, kind, causal,
     its own P V).  Copies land only at the producer's wait, so a
     stage read before its FULL handshake or refilled before its EMPTY one is NaN here.  Sizes cross the stages
     more than once (up to 7 key tiles of 16), with ragged tails, a query block whose rows see no key, and bshd."""
-    cfg = W.WGConfig(128, 16, 64, kind, pipeline, stages=stages, copies=copies)
+    # setmaxnreg (the producer's registers to the consumers) on the GPU's ws-overlap default, and on one ws pipeline
+    regs = copies == "tma" and (pipeline, stages) in (("ws-overlap", 3), ("ws", 2))
+    cfg = W.WGConfig(128, 16, 64, kind, pipeline, stages=stages, copies=copies, setmaxnreg=regs)
     run_and_check(xp, rng, n_q, n_k, 64, kind, causal, cfg=cfg, layout="bshd", heads=1, launch=launch)
 
 
@@ -92,9 +94,17 @@ def test_tma_configuration_rules():
         W.WGConfig(128, 16, 64, "float16", "plain", copies="tma")
     with pytest.raises(ValueError, match="copies"):
         W.WGConfig(128, 16, 64, "float16", "ws", copies="bulk")
-    for d in (40, 64, 96, 128):
+    for d in (40, 64):
         cfg = W.choose_config(d, "bfloat16", simulator=False)
         assert (cfg.pipeline, cfg.copies, cfg.block_m, cfg.block_n, cfg.stages) == ("ws", "tma", 128, 128, 2)
+        cfg = W.choose_config(d, "bfloat16", simulator=False, long_keys=True)
+        want = ("ws-overlap", "tma", 192, 3, True)
+        assert (cfg.pipeline, cfg.copies, cfg.block_n, cfg.stages, cfg.setmaxnreg) == want
+    for d in (72, 96, 128):
+        for long_keys in (False, True):
+            cfg = W.choose_config(d, "bfloat16", simulator=False, long_keys=long_keys)
+            assert (cfg.pipeline, cfg.copies, cfg.block_n, cfg.stages, cfg.setmaxnreg) == ("ws-overlap", "tma", 128, 3,
+                                                                                          True)
     assert W.choose_config(64, "float16", simulator=False, copies="cp.async").pipeline == "plain"
     assert W.choose_config(128, "float16", simulator=False, copies="cp.async").copies == "cp.async"
     assert W.choose_config(256, "float16", simulator=False).copies == "cp.async"  # overlap: no producer
@@ -102,10 +112,10 @@ def test_tma_configuration_rules():
 
 @hopper
 @pytest.mark.slow
-@pytest.mark.parametrize("d", [64, 128])
-def test_forward_wgmma_gpu_configuration(xp, rng, d):
-    """The tiles the GPU uses, at a size that crosses them."""
-    cfg = W.choose_config(d, "bfloat16", simulator=False)
+@pytest.mark.parametrize("d,long_keys", [(64, False), (64, True), (128, False)])
+def test_forward_wgmma_gpu_configuration(xp, rng, d, long_keys):
+    """The tiles the GPU uses (at D = 64 both: for short and for long sequences), at a size that crosses them."""
+    cfg = W.choose_config(d, "bfloat16", simulator=False, long_keys=long_keys)
     run_and_check(xp, rng, cfg.block_m + 7, cfg.block_n + 5, d, "bfloat16", True, cfg=cfg, heads=1, launch=launch)
 
 
@@ -154,6 +164,8 @@ def test_config_validation_and_shared_memory():
         W.WGConfig(128, 16, 64, "float16", "ws", stages=5)
     with pytest.raises(ValueError, match="stages"):
         W.WGConfig(128, 16, 64, "float16", "overlap", stages=3)
+    with pytest.raises(ValueError, match="setmaxnreg"):
+        W.WGConfig(128, 16, 64, "float16", "overlap", setmaxnreg=True)  # no producer to take registers from
     ws = W.WGConfig(128, 128, 128, "bfloat16", "ws", stages=3)
     assert ws.threads == 3 * 128  # two consumer warpgroups and the producer warpgroup
     assert W.shared_bytes(ws) == (1 + 2 * 3) * 32 * 1024  # Q and three K, V stages: 224 KB, under Hopper's 227
@@ -163,14 +175,18 @@ def test_config_validation_and_shared_memory():
 
 _PTX_SCRIPT = r"""
 import importlib, json, re, sys
-from nbflash._device import SIMULATOR, compile_ptx_offline, ptxas_info
+from nbflash._device import SIMULATOR, compile_ltoir_offline, compile_ptx_offline, ptxas_info
 assert not SIMULATOR
 for name, cfg, kern, sig, fastmath in importlib.import_module(sys.argv[1]).compile_targets():
     bounds = kern.targetoptions.get("launch_bounds")  # as the kernel is compiled for the GPU (ws: 168 registers)
-    ptx = compile_ptx_offline(kern.py_func, sig, cc=(9, 0, "a"), fastmath=fastmath,
-                              **({"launch_bounds": bounds} if bounds else {}))
-    info = ptxas_info(ptx, "sm_90a", check=False)
-    print(json.dumps(dict(name=name, config=repr(cfg), ok=info["ok"], log=info["log"][-1500:],
+    options = dict(cc=(9, 0, "a"), fastmath=fastmath, **({"launch_bounds": bounds} if bounds else {}))
+    ptx = compile_ptx_offline(kern.py_func, sig, **options)
+    # setmaxnreg is honoured only in a whole-program link, as numba-cuda links on a GPU (link-time optimisation).
+    lto = getattr(cfg, "setmaxnreg", False)
+    info = ptxas_info(compile_ltoir_offline(kern.py_func, sig, **options) if lto else ptx, "sm_90a", check=False)
+    print(json.dumps(dict(name=name, config=repr(cfg), ok=info["ok"], log=info["log"][-1500:], lto=lto,
+                          notes=sorted(set(re.findall(r"\((C75\d\d)\)", info["log"]))),
+                          setmaxnreg=sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32 (\d+)", ptx))),
                           registers=info["registers"], spill=info["spill_bytes"],
                           serialized=bool(re.search(r"wgmma.mma_async instructions are serialized", info["log"])),
                           local=len(re.findall(r"\b(?:ld|st)\.local\b", ptx)),
@@ -194,5 +210,7 @@ def test_gpu_configurations_compile_for_sm90a_without_local_memory():
         assert row["ok"], row["log"]
         assert row["local"] == 0 and row["spill"] in (0, None), row
         assert not row["serialized"], row  # ptxas would wait for each wgmma before the next (its C75xx notes)
+        if cfg.setmaxnreg:  # both moves are in the code, and ptxas kept them (no C7504 / C7507 "ignored")
+            assert row["lto"] and row["setmaxnreg"] == [["dec", "24"], ["inc", "240"]] and not row["notes"], row
         assert set(row["shapes"]) == {f"m64n{cfg.block_n}k16", f"m64n{cfg.d_pad}k16"}, row
         assert row["a_in_shared"] and row["a_in_registers"], row  # S = Q Kᵀ from shared; O += P V with P in registers

@@ -475,3 +475,14 @@ def test_wgmma_rs_on_gpu(rng, xp, kind, n, trans_b):
         pytest.skip("wgmma needs an sm_90 (Hopper) GPU")
     out, a, b = run_wgmma_rs(rng, kind, n, trans_b, xp=xp)
     assert_product(out, a, b)
+
+
+@sim_only
+def test_setmaxnreg_takes_an_allowed_count():
+    """``setmaxnreg`` takes a multiple of 8 from 24 to 256 registers per thread; anything else is refused."""
+    for count in (24, 168, 240, 256):
+        H.setmaxnreg_inc(count)
+        H.setmaxnreg_dec(count)
+    for bad in (16, 100, 264):
+        with pytest.raises(ValueError, match="multiple of 8 from 24 to 256"):
+            H.setmaxnreg_dec(bad)
