@@ -772,8 +772,13 @@ def choose_config(
     * D <= 64 from :data:`WSO_MIN_KEYS_D64` keys: ws-overlap, 128 × 192, 3
       stages, TMA: 386 / 425 non-causal and 335 / 410 causal at 4k / 16k,
       against 363 / 395 and 330 / 377 (+2 % to +9 %); at 1k it is 4–12 %
-      slower, so shorter sequences keep the ws pipeline (and the plain kernel
-      below :data:`TMA_MIN_KEYS_D64`).
+      slower and at 2k even (``…-setmaxnreg-default.json``, bf16 and fp16),
+      so shorter sequences keep the ws pipeline (and the plain kernel below
+      :data:`TMA_MIN_KEYS_D64`).
+
+    The second run (``…-setmaxnreg-default.json``, bf16 and fp16, N = 512 …
+    16k) put the D = 128 default at −6 % to +19 % of the ws pipeline: ahead at
+    16 of its 20 points, and by 5–13 % at N = 16k.
 
     Before that:
 
@@ -843,9 +848,9 @@ def choose_config(
 #: At D <= 64 the TMA pipeline pays from this many keys on; below, the plain 128 × 64 kernel is faster
 #: (``tc-forward-NVIDIA-H200-2026-12-01-tma-default.json``: at N = 512 and 1k, by up to 12 %).
 TMA_MIN_KEYS_D64 = 1025
-#: At D <= 64 the 128 × 192 ws-overlap kernel pays from about this many keys on (the setmaxnreg sweep: slower at
-#: 1k, faster at 4k and 16k).
-WSO_MIN_KEYS_D64 = 2049
+#: At D <= 64 the 128 × 192 ws-overlap kernel pays from this many keys on (``tc-forward-…-setmaxnreg-default.json``:
+#: 0 to 3 % slower at 2k, 1 to 4 % faster at 4k, 4 to 10 % at 16k; slower below).
+WSO_MIN_KEYS_D64 = 4096
 
 
 def config_for(head_dim: int, input_kind: str, q, k, v) -> WGConfig:
