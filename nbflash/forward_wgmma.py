@@ -856,6 +856,9 @@ WSO_MIN_KEYS_D64 = 4096
 def config_for(head_dim: int, input_kind: str, q, k, v) -> WGConfig:
     """:func:`choose_config`'s pick for these arrays (canonical ``(B, H, N, D)`` views or descriptors).
 
+    ``long_keys`` is set from k's length (at D <= 64, from :data:`WSO_MIN_KEYS_D64`
+    keys on the 128 × 192 ws-overlap kernel runs).
+
     Where it copies with TMA, the best configuration that copies with
     ``cp.async`` instead when the TMA one cannot run on the arrays
     (:func:`can_implement`: e.g. a stride that is not a positive multiple of
