@@ -317,6 +317,14 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
     copy_kv = _make_tile_copier(BLOCK_N, cfg)
     copy_q = _make_tile_copier(BLOCK_M, cfg)
 
+    @device_function
+    def load_fragments(frags, smem, row_address):
+        """The warp's 16 rows of a K_j or V_j tile as A fragments, one ``ldmatrix.x4`` per k-step."""
+        for kk in range(K_STEPS):
+            f = I.ldmatrix_x4(smem, row_address + 16 * kk)
+            for i in range(4):
+                frags[kk, i] = f[i]
+
     @kernel(fastmath=True)
     def flash_backward_dkdv_tc(q, k, v, do, lse2, delta, dk, dv, dq_accum, qk_scale_log2, scale, causal):
         """One block: dK_j and dV_j for BLOCK_N keys of one (batch, head)."""
@@ -342,6 +350,7 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
         dK = cuda.local.array((D_TILES, 4), numba.float32)
         dV = cuda.local.array((D_TILES, 4), numba.float32)
         dQ = cuda.local.array((DQ_TILES, 4), numba.float32)  # step 1g: one unit of dQ_i
+        dsf = cuda.local.array((N_STEPS, 4), numba.uint32)  # step 1g: the unit's dS A-fragments
         for n in range(D_TILES):
             for i in range(4):
                 dK[n, i] = ZERO
@@ -391,12 +400,8 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
 
             # The warp's 16 rows of K_j and V_j into registers, once.
             if KV_IN_REGS and it == 0:
-                for kk in range(K_STEPS):
-                    fk = I.ldmatrix_x4(smem, k_row + 16 * kk)
-                    fv = I.ldmatrix_x4(smem, v_row + 16 * kk)
-                    for i in range(4):
-                        kf[kk, i] = fk[i]
-                        vf[kk, i] = fv[i]
+                load_fragments(kf, smem, k_row)
+                load_fragments(vf, smem, v_row)
 
             # Step 1b: Sᵀ = K_j Q_iᵀ (16 keys × BLOCK_M queries per warp); 1d's dPᵀ = V_j dO_iᵀ likewise.
             # Two loop nests, not one: NVVM unrolls each of them fully (a fused one it would not).
@@ -406,20 +411,18 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
                 for i in range(4):
                     S[n, i] = ZERO
                     dP[n, i] = ZERO
+            if not KV_IN_REGS:
+                load_fragments(kf, smem, k_row)
             for kk in range(K_STEPS):
-                if KV_IN_REGS:
-                    a0, a1, a2, a3 = kf[kk, 0], kf[kk, 1], kf[kk, 2], kf[kk, 3]
-                else:
-                    a0, a1, a2, a3 = I.ldmatrix_x4(smem, k_row + 16 * kk)
+                a0, a1, a2, a3 = kf[kk, 0], kf[kk, 1], kf[kk, 2], kf[kk, 3]
                 for n2 in range(M_STEPS):
                     qb = I.ldmatrix_x4(smem, q_base + (16 * n2 + bt_row) * PITCH + 16 * kk + bt_col)
                     for half in range(2):
                         mma_into(S, 2 * n2 + half, a0, a1, a2, a3, qb[2 * half], qb[2 * half + 1])
+            if not KV_IN_REGS:
+                load_fragments(vf, smem, v_row)
             for kk in range(K_STEPS):
-                if KV_IN_REGS:
-                    a0, a1, a2, a3 = vf[kk, 0], vf[kk, 1], vf[kk, 2], vf[kk, 3]
-                else:
-                    a0, a1, a2, a3 = I.ldmatrix_x4(smem, v_row + 16 * kk)
+                a0, a1, a2, a3 = vf[kk, 0], vf[kk, 1], vf[kk, 2], vf[kk, 3]
                 for n2 in range(M_STEPS):
                     ob = I.ldmatrix_x4(smem, do_base + (16 * n2 + bt_row) * PITCH + 16 * kk + bt_col)
                     for half in range(2):
@@ -486,14 +489,25 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
                         for n in range(DQ_TILES):
                             for i in range(4):
                                 dQ[n, i] = ZERO
+                        # dS = (dSᵀ)ᵀ: ldmatrix.trans of the [key][query] tile gives the A-fragments, all of
+                        # them before the products (as load_fragments, for the same reason).
                         for kk in range(N_STEPS):
-                            # dS = (dSᵀ)ᵀ: ldmatrix.trans of the [key][query] tile gives the A-fragment.
-                            sa = I.ldmatrix_x4_trans(smem, DS_OFF + (16 * kk + bt_row) * DS_PITCH + 16 * mt + bt_col)
+                            f = I.ldmatrix_x4_trans(smem, DS_OFF + (16 * kk + bt_row) * DS_PITCH + 16 * mt + bt_col)
+                            for i in range(4):
+                                dsf[kk, i] = f[i]
+                        for kk in range(N_STEPS):
                             for d2 in range(DQ_TILES // 2):
                                 kb = I.ldmatrix_x4_trans(smem, K_OFF + (16 * kk + a_row) * PITCH + d0 + 16 * d2 + a_col)
                                 for half in range(2):
                                     mma_into(
-                                        dQ, 2 * d2 + half, sa[0], sa[1], sa[2], sa[3], kb[2 * half], kb[2 * half + 1]
+                                        dQ,
+                                        2 * d2 + half,
+                                        dsf[kk, 0],
+                                        dsf[kk, 1],
+                                        dsf[kk, 2],
+                                        dsf[kk, 3],
+                                        kb[2 * half],
+                                        kb[2 * half + 1],
                                     )
                         # Add the unit into dQ_i: one address per row, then a reduction per accumulator pair
                         # (row g or g + 8, columns 2t, 2t + 1 of tile n) at a constant offset from it.
