@@ -34,8 +34,12 @@ where ``D_i = rowsum(dO_i ∘ O_i)``.
    fragments for the whole loop (else it re-reads them with ``ldmatrix``).  For
    each query tile ``i`` that sees some key of the tile (:func:`~nbflash.masking.query_range`):
 
-   a. start the copy of Q_{i+1}, dO_{i+1} (and store their lse2, D) into the
-      other buffer, then wait for tile i — loads overlap the maths;
+   a. wait for tile i's copies, then one barrier: it makes them visible and
+      ends every warp's use of tile i − 1's buffers, so the copy of Q_{i+1},
+      dO_{i+1} and their lse2, D (``cp.async``, 4 bytes a value) into those
+      buffers starts right after it and runs under tile i's products — one
+      barrier per tile, where waiting before the barrier and refilling
+      before the next one needs two;
    b. ``Sᵀ = K_j Q_iᵀ`` (16 × BLOCK_M per warp): A = K fragments, B = Q rows
       by ``ldmatrix`` (no transpose), as K in the forward's ``S = Q Kᵀ``;
    c. ``Pᵀ = exp2(Sᵀ · scale · log2 e − lse2_col)``: value i of a thread's
@@ -57,7 +61,8 @@ where ``D_i = rowsum(dO_i ∘ O_i)``.
 
 2. **dQ**, deterministic variant (grid: query tiles × heads × batch; the same
    warps, now each owning 16 *queries*).  Q_i and dO_i stay as A fragments;
-   K_j, V_j stream past, double-buffered.  Per key tile: ``S = Q_i K_jᵀ``,
+   K_j, V_j stream past, double-buffered, with step 1a's one barrier per
+   tile.  Per key tile: ``S = Q_i K_jᵀ``,
    ``P = exp2(S · scale · log2 e − lse2_row)`` (masked), ``dP = dO_i V_jᵀ``
    (B = V rows, no transpose), ``dS = P ∘ (dP − D_row)``, ``dQ_i += dS K_j``
    (A = dS packed, B = K_j by ``ldmatrix.trans``).  ``dQ_i · scale`` written once.
@@ -101,7 +106,6 @@ float16/bfloat16 (``backend=``).
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -309,13 +313,24 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
     DQ_EVEN = DQ_UNITS % WARPS == 0
     TILE_BYTES = 8 * 4  # float32 dQ: from a column of one 8-column tile to the same column of the next
     ZERO = numba.float32(0)
-    INF = numba.float32(math.inf)
     u32, u64 = numba.uint32, numba.uint64
     SMEM_ALIGN = None if SIMULATOR else 16
     mma_into, pack_pair = _make_fragment_ops(cfg.input_kind)
     store_pair = _make_pair_storer(cfg.input_kind)
     copy_kv = _make_tile_copier(BLOCK_N, cfg)
     copy_q = _make_tile_copier(BLOCK_M, cfg)
+
+    @device_function
+    def copy_row_values(smem_f, offset, src, b, h, start, seqlen, tid):
+        """``cp.async`` the float32 values ``src[b, h, start : start + BLOCK_M]`` (lse2 or D of a query tile) to
+        ``smem_f[offset:]``, in the group of the tile's rows.
+
+        A row past ``seqlen`` gets 0, not lse2's +inf: its Q and dO rows are zero-filled, so its Pᵀ column
+        is exp2(0) = 1 but dPᵀ is 0, and it adds nothing to dV (P·dO = 0), dSᵀ, dK or dQ."""
+        for c in range(tid, BLOCK_M, THREADS):
+            row = start + c
+            inside = row < seqlen
+            I.cp_async_4(smem_f, offset + c, src, (b, h, row if inside else seqlen - 1), 4 if inside else 0)
 
     @device_function
     def load_fragments(frags, smem, row_address):
@@ -376,27 +391,26 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
             copy_kv(smem, V_OFF, v, b, h, k_start, seqlen_k, tid)
             copy_q(smem, Q_OFF, q, b, h, i_first * BLOCK_M, seqlen_q, tid)
             copy_q(smem, DO_OFF, do, b, h, i_first * BLOCK_M, seqlen_q, tid)
-            for c in range(tid, BLOCK_M, THREADS):
-                row = i_first * BLOCK_M + c
-                smem_f[LSE_F + c] = lse2[b, h, row] if row < seqlen_q else INF
-                smem_f[DELTA_F + c] = delta[b, h, row] if row < seqlen_q else ZERO
+            copy_row_values(smem_f, LSE_F, lse2, b, h, i_first * BLOCK_M, seqlen_q, tid)
+            copy_row_values(smem_f, DELTA_F, delta, b, h, i_first * BLOCK_M, seqlen_q, tid)
         I.cp_async_commit()
 
         for it in range(n_tiles):
             q_start = (i_first + it) * BLOCK_M
             buf = it % 2
-            # Step 1a: prefetch Q_{i+1}, dO_{i+1} (and their lse2, D) into the other buffer; wait for tile i.
+            I.cp_async_wait_all()  # this thread's copies of tile i, started one tile earlier (or by step 1)
+            # Every thread's copies of tile i (and K_j, V_j) and its lse2, D are visible, and every warp is done
+            # with tile i - 1, whose buffers step 1a refills: one barrier per tile.
+            cuda.syncthreads()
+            # Step 1a: start the copy of Q_{i+1}, dO_{i+1} and their lse2, D into the other buffers, under this
+            # tile's products.
             if it + 1 < n_tiles:
                 nxt = 1 - buf
                 copy_q(smem, Q_OFF + nxt * QD_STRIDE, q, b, h, q_start + BLOCK_M, seqlen_q, tid)
                 copy_q(smem, DO_OFF + nxt * QD_STRIDE, do, b, h, q_start + BLOCK_M, seqlen_q, tid)
-                for c in range(tid, BLOCK_M, THREADS):
-                    row = q_start + BLOCK_M + c
-                    smem_f[LSE_F + nxt * BLOCK_M + c] = lse2[b, h, row] if row < seqlen_q else INF
-                    smem_f[DELTA_F + nxt * BLOCK_M + c] = delta[b, h, row] if row < seqlen_q else ZERO
-            I.cp_async_commit()  # possibly empty: keeps "wait for all but the newest group" uniform
-            I.cp_async_wait(1)
-            cuda.syncthreads()  # every thread's copies of tile i (and K_j, V_j) and its lse2, D are visible
+                copy_row_values(smem_f, LSE_F + nxt * BLOCK_M, lse2, b, h, q_start + BLOCK_M, seqlen_q, tid)
+                copy_row_values(smem_f, DELTA_F + nxt * BLOCK_M, delta, b, h, q_start + BLOCK_M, seqlen_q, tid)
+            I.cp_async_commit()
 
             # The warp's 16 rows of K_j and V_j into registers, once.
             if KV_IN_REGS and it == 0:
@@ -521,7 +535,6 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
                                     else:
                                         I.red_add_f32(addr + n * TILE_BYTES, dQ[n, 2 * r])
                                         I.red_add_f32(addr + n * TILE_BYTES + 4, dQ[n, 2 * r + 1])
-            cuda.syncthreads()  # everyone is done with buffer `buf` (and dSᵀ) before iteration i + 1 refills it
 
         I.cp_async_wait_all()  # nothing left in flight (also when no query tile sees these keys)
 
@@ -614,13 +627,15 @@ def dq_tc_kernel(cfg: TCBackwardConfig):
         for j in range(n_tiles):
             k_start = j * BLOCK_N
             buf = j % 2
-            # Prefetch K_{j+1}, V_{j+1} into the other buffer, then wait for tile j.
+            I.cp_async_wait_all()  # this thread's copies of tile j, started one tile earlier (or before the loop)
+            # Every thread's copies of tile j (and Q_i, dO_i) are visible, and every warp is done with tile
+            # j - 1, whose buffers the copy below refills: one barrier per tile.
+            cuda.syncthreads()
+            # Start the copy of K_{j+1}, V_{j+1} into the other buffer, under this tile's products.
             if j + 1 < n_tiles:
                 copy_kv(smem, K_OFF + (1 - buf) * KV_STRIDE, k, b, h, k_start + BLOCK_N, seqlen_k, tid)
                 copy_kv(smem, V_OFF + (1 - buf) * KV_STRIDE, v, b, h, k_start + BLOCK_N, seqlen_k, tid)
-            I.cp_async_commit()  # possibly empty: keeps "wait for all but the newest group" uniform
-            I.cp_async_wait(1)
-            cuda.syncthreads()  # every thread's copies of tile j (and Q_i, dO_i) are visible
+            I.cp_async_commit()
 
             # The warp's 16 rows of Q_i and dO_i into registers, once.
             if j == 0:
@@ -691,7 +706,6 @@ def dq_tc_kernel(cfg: TCBackwardConfig):
                     kb = I.ldmatrix_x4_trans(smem, k_base + (16 * kk + a_row) * PITCH + 16 * d2 + a_col)
                     for half in range(2):
                         mma_into(dQ, 2 * d2 + half, sa0, sa1, sa2, sa3, kb[2 * half], kb[2 * half + 1])
-            cuda.syncthreads()  # everyone is done with buffer `buf` before iteration j + 1 refills it
 
         I.cp_async_wait_all()  # nothing left in flight (only Q_i's group when no key tile was visible)
 

@@ -48,6 +48,7 @@ __all__ = [
     "c_frag_index",
     "cp_async_16",
     "cp_async_16_at",
+    "cp_async_4",
     "cp_async_commit",
     "cp_async_wait",
     "cp_async_wait_all",
@@ -394,7 +395,7 @@ SIM_LAND_OBSERVERS = []
 
 def _sim_land(copies):
     for dst, start, chunk in copies:
-        dst.reshape(-1).view(np.uint8)[start : start + 16] = chunk
+        dst.reshape(-1).view(np.uint8)[start : start + len(chunk)] = chunk
         for observe in SIM_LAND_OBSERVERS:
             observe(dst, start)
 
@@ -427,21 +428,46 @@ def _sim_cp_async_16(dst, dst_offset, src, src_index, src_bytes=16):
     _sim_copy_chunk(dst, dst_offset, src_bytes, read)
 
 
-def _sim_copy_chunk(dst, dst_offset, src_bytes, read):
-    """Start one 16-byte copy to ``dst[dst_offset]``: ``read(n)`` returns the ``n`` source bytes (not called
-    when ``n`` is 0), the rest of the 16 are zero.  It lands now, or at the wait that covers its group."""
+def _sim_copy_chunk(dst, dst_offset, src_bytes, read, size=16):
+    """Start one copy of ``size`` bytes to ``dst[dst_offset]``: ``read(n)`` returns the ``n`` source bytes (not
+    called when ``n`` is 0), the rest of the ``size`` are zero.  It lands now, or at the wait that covers its
+    group."""
     start = int(dst_offset) * dst.itemsize
-    if start % 16:
-        raise ValueError(f"cp.async destination {start} (element {dst_offset}) is not 16-byte aligned")
-    chunk = np.zeros(16, dtype=np.uint8)
-    n = min(int(src_bytes), 16)
+    if start % size:
+        raise ValueError(f"cp.async destination {start} (element {dst_offset}) is not {size}-byte aligned")
+    chunk = np.zeros(size, dtype=np.uint8)
+    n = min(int(src_bytes), size)
     if n > 0:  # with src-size 0 the source is not read at all
         chunk[:n] = read(n)
     if SIM_CP_ASYNC_LANDS_AT_WAIT:
-        dst.reshape(-1).view(np.uint8)[start : start + 16] = 0xFF  # in flight: not the old tile, not the new
+        dst.reshape(-1).view(np.uint8)[start : start + size] = 0xFF  # in flight: not the old tile, not the new
         _sim_cp_async_queue().open.append((dst, start, chunk))
     else:
         _sim_land([(dst, start, chunk)])
+
+
+def _sim_cp_async_4(dst, dst_offset, src, src_index, src_bytes=4):
+    """Start an asynchronous 4-byte copy global → shared (through L1): one float32 value.
+
+    PTX: ``cp.async.ca.shared.global [dst], [src], 4, src_bytes``; sm_80 or newer.
+
+    ``dst[dst_offset]`` (a shared array, element index, 4-byte aligned)
+    receives the 4 bytes of ``src[src_index]`` (a global array of a 4-byte
+    type; ``src_index`` a tuple of non-negative integers).  ``src_bytes = 0``
+    reads nothing and writes 4 zero bytes (a row past the end of a sequence;
+    ``src_index`` must still be a valid index).  Grouped, waited for and made
+    visible as :func:`cp_async_16`: the per-row scalars of a tile (the
+    backward's lse2 and D) travel in the same group as the tile's rows, with
+    no register and no wait for the load in the thread that starts it.
+    """
+
+    def read(n):
+        value = np.array([src[src_index]], dtype=src.dtype)
+        if value.itemsize != 4:
+            raise TypeError(f"cp_async_4 copies one 4-byte element, got a {src.dtype} array")
+        return value.view(np.uint8)[:n]
+
+    _sim_copy_chunk(dst, dst_offset, src_bytes, read, size=4)
 
 
 def _sim_cp_async_16_at(dst, dst_offset, address, src_bytes=16):
@@ -872,6 +898,26 @@ def _gpu_cp_async_16(typingctx, dst, dst_offset, src, src_index, src_bytes=None)
 
 
 @intrinsic
+def _gpu_cp_async_4(typingctx, dst, dst_offset, src, src_index, src_bytes):
+    idx_ok = isinstance(src_index, types.BaseTuple) and _is_int(*src_index)
+    if not (_is_flat_array(dst) and _is_int(dst_offset, src_bytes) and isinstance(src, types.Array) and idx_ok):
+        return None
+    if src.dtype.bitwidth != 32:
+        return None
+    sig = types.void(dst, dst_offset, src, src_index, src_bytes)
+
+    def codegen(context, builder, sig, args):
+        d = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        s = _global_address(context, builder, sig.args[2], args[2], sig.args[3], args[3])
+        n = context.cast(builder, args[4], sig.args[4], types.uint32)
+        _asm(builder, ir.VoidType(), [_I32, _I64, _I32], "cp.async.ca.shared.global [$0], [$1], 4, $2;",
+             "r,l,r,~{memory}", [d, s, n], side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def _gpu_cp_async_16_at(typingctx, dst, dst_offset, address, src_bytes):
     if not (_is_flat_array(dst) and _is_int(dst_offset, address, src_bytes)):
         return None
@@ -1079,6 +1125,7 @@ ldmatrix_x4 = _public(_sim_ldmatrix_x4, lambda: _make_gpu_ldmatrix(trans=False))
 ldmatrix_x4_trans = _public(_sim_ldmatrix_x4_trans, lambda: _make_gpu_ldmatrix(trans=True))
 cp_async_16 = _public(_sim_cp_async_16, lambda: _gpu_cp_async_16)
 cp_async_16_at = _public(_sim_cp_async_16_at, lambda: _gpu_cp_async_16_at)
+cp_async_4 = _public(_sim_cp_async_4, lambda: _gpu_cp_async_4)
 cp_async_commit = _public(_sim_cp_async_commit, lambda: _gpu_cp_async_commit)
 cp_async_wait = _public(_sim_cp_async_wait, lambda: _gpu_cp_async_wait)
 cp_async_wait_all = _public(_sim_cp_async_wait_all, lambda: _gpu_cp_async_wait_all)

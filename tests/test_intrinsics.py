@@ -407,6 +407,50 @@ def test_cp_async_at_rejects_reads_outside_or_misaligned():
     assert not out[:8].any() and (out[8:] == SENTINEL).all()
 
 
+@functools.cache
+def cp_async_4_kernel():
+    """Lane ``c`` of 32 copies ``src[b, h, start + c]`` (float32) to ``smem[c + 1]`` with ``cp_async_4``, 0 past
+    ``seqlen`` (its source index clamped, 0 bytes read); the tile starts one word into shared memory (only 4-byte
+    alignment is needed) and lands in the same group as a 16-byte copy of the sentinel-free ``pad`` row."""
+
+    @kernel
+    def cp_async_4_tile(src, b, h, start, seqlen, pad, out, out_pad):  # src: (batch, head, seq) float32
+        lane = cuda.threadIdx.x
+        smem = cuda.shared.array(40, numba.float32, alignment=SMEM_ALIGN)
+        for e in range(lane, 40, 32):
+            smem[e] = numba.float32(-7.0)  # so that a missing copy or zero-fill shows
+        cuda.syncthreads()
+        row = start + lane
+        inside = row < seqlen
+        I.cp_async_4(smem, 1 + lane, src, (b, h, row if inside else seqlen - 1), 4 if inside else 0)
+        if lane == 0:
+            I.cp_async_16(smem, 36, pad, (0,))
+        I.cp_async_commit()
+        I.cp_async_wait_all()
+        cuda.syncthreads()  # the copies are visible to other threads after the wait and a barrier
+        out[lane] = smem[1 + (lane + 1) % 32]  # another lane's value
+        if lane < 4:
+            out_pad[lane] = smem[36 + lane]
+        if lane == 0:
+            out_pad[4] = smem[0]  # untouched
+
+    return cp_async_4_tile
+
+
+@pytest.mark.parametrize("start,seqlen", [(0, 40), (16, 40), (24, 30), (0, 1)])
+def test_cp_async_4_copies_values_and_zero_fills(rng, start, seqlen):
+    """One float32 per lane from a strided row (lse2 of a query tile in the backward), 0 past the end."""
+    src = rng.standard_normal((2, 3, seqlen)).astype(np.float32)
+    pad = rng.standard_normal(4).astype(np.float32)
+    out, out_pad = np.zeros(32, np.float32), np.zeros(5, np.float32)
+    launch(cp_async_4_kernel(), src, 1, 2, start, seqlen, pad, out, out_pad)
+    want = np.zeros(32, np.float32)
+    n = max(0, min(32, seqlen - start))
+    want[:n] = src[1, 2, start : start + n]
+    np.testing.assert_array_equal(out, np.roll(want, -1))
+    np.testing.assert_array_equal(out_pad, [*pad, -7.0])
+
+
 # ----------------------------------------------------------------------------
 # Packing, unpacking, ex2
 # ----------------------------------------------------------------------------
@@ -668,6 +712,9 @@ def compile_targets():
                 ["cp.async.cg.shared.global", "cp.async.commit_group", "cp.async.wait_group 0", "cp.async.wait_all"]))
     out.append(("cp_async_at", cp_async_at_kernel(), (arr(u16, 4, "A"), i64, i64, i64, arr(u16, 2)),
                 ["cp.async.cg.shared.global", "mov.b32"]))
+    out.append(("cp_async_4", cp_async_4_kernel(),
+                (arr(f32, 3), i64, i64, i64, i64, arr(f32, 1), arr(f32, 1), arr(f32, 1)),
+                ["cp.async.ca.shared.global", "cp.async.cg.shared.global"]))
     out.append(("st_global_b32", store_pairs_kernel(), (arr(f32, 2), arr(u16, 4, "A")), ["st.global.b32"]))
     out.append(("convert", convert_kernel(), (arr(f32, 2), arr(u32, 2), arr(f32, 2), arr(f32, 1)),
                 ["cvt.rn.f16x2.f32", "cvt.rn.bf16x2.f32", "ex2.approx.ftz.f32"]))
@@ -689,6 +736,7 @@ SASS = {
     "ldmatrix_bfloat16": ["LDSM.16.M88.4", "LDSM.16.MT88.4", "HMMA.16816.F32.BF16"],
     "cp_async": ["LDGSTS", "LDGSTS.E.BYPASS.128.ZFILL", "LDGDEPBAR", "DEPBAR"],
     "cp_async_at": ["LDGSTS.E.BYPASS.128"],
+    "cp_async_4": ["LDGSTS.E", "LDGSTS.E.BYPASS.128"],
     "st_global_b32": ["STG.E"],  # a 0-or-16 byte count becomes a predicate, not .ZFILL
     "convert": ["F2FP.F16.F32.PACK_AB", "F2FP.BF16.F32.PACK_AB", "MUFU.EX2"],
     "red_scalar": ["REDG.E.ADD.F32.FTZ.RN"],  # a global reduction: no ATOM, no generic-address (QSPC) fallback
