@@ -484,13 +484,14 @@ def run_backward(
     ``deterministic=None``: the dQ route measured faster for the plan's kernels (see
     :func:`attention_backward`); ``empty(shape, dtype)`` allocates the scratch (default: q's array module).
     """
-    if deterministic is None:
-        deterministic = plan.backend == "tensor_core"
+    if deterministic is None:  # atomic dQ for the SIMT kernels only (attention_backward's figures)
+        deterministic = plan.backend != "simt"
     flags = dict(deterministic=bool(deterministic), stream=stream, empty=empty)
     if plan.backend == "tensor_core":  # the plan checked do, q, k, v, o; dq, dk, dv are the caller's fresh arrays
-        _bwd_tc.launch_backward_tc(
-            plan.config, do, q, k, v, o, lse, dq, dk, dv, scale, bool(causal), check=False, **flags
-        )
+        cfg = plan.config
+        if not flags["deterministic"]:  # the atomic route's own tiles (the same array rules; shared memory checked)
+            cfg = _bwd_tc.choose_config(cfg.head_dim, cfg.input_kind, atomic=True)
+        _bwd_tc.launch_backward_tc(cfg, do, q, k, v, o, lse, dq, dk, dv, scale, bool(causal), check=False, **flags)
     elif plan.backend == "wgmma":  # atomic only where the configuration has it (64-query streamed tiles)
         cfg = plan.config
         det = flags["deterministic"] or not _bwd_wg.can_implement(cfg, do, q, k, v, o, atomic=True)[0]

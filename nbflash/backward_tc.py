@@ -732,8 +732,10 @@ def choose_config(
     simulator: bool = SIMULATOR,
     cc: tuple[int, int] | None = None,
     max_shared: int | None = None,
+    atomic: bool = False,
 ) -> TCBackwardConfig:
-    """The configuration for a head dim (a multiple of 16 up to 128): 4 warps, 64 stationary rows.
+    """The configuration for a head dim (a multiple of 16 up to 128): 4 warps, 64 stationary rows; for the
+    atomic dQ route (``atomic=True``) above D = 64, FlashAttention-2's 8 warps and 128 keys per block.
 
     Chosen by the H200 tile sweep (``benchmarks/tc_backward.py --configs``,
     ``benchmarks/results/tc-backward-NVIDIA-H200-2026-11-30-tiles.json``; bf16, N = 1k/4k/16k,
@@ -756,6 +758,16 @@ def choose_config(
     (``max_shared``, default the current device's) gets 64 keys × 32 queries (70 / 75 KB).
     The deterministic dQ kernel uses the same numbers with the roles swapped.
 
+    The atomic route (``atomic=True``, ``deterministic=False``) has no dQ
+    kernel, and above D = 64 it takes 64 queries × 128 keys per block (8
+    warps; 155 KB of shared memory at D = 128): with twice the keys per block
+    it adds each dQ value half as often.  After the one-barrier schedule of
+    step 1a, at D = 128 (bf16, N = 1k / 4k / 16k non-causal,
+    ``tc-backward-…-2026-12-01-one-barrier.json``): 180 / 234 / 252 TFLOP/s,
+    against 169 / 210 / 225 with the 64 × 64 tiles and 184 / 213 / 220 for
+    the deterministic route.  Where a GPU allows less shared memory per
+    block, the atomic route keeps the deterministic route's tiles.
+
     In the simulator: 2 warps (32 keys) and 16-query tiles, so that short
     sequences cross tile edges with few Python threads; D = 32 there takes the
     ldmatrix path, other head dims the register path.
@@ -769,12 +781,13 @@ def choose_config(
         cc = compute_capability()
     if max_shared is None and not simulator:
         max_shared = max_shared_per_block()
-    return _choose_config(head_dim, input_kind, simulator, None if cc is None else tuple(cc), max_shared)
+    return _choose_config(head_dim, input_kind, simulator, None if cc is None else tuple(cc), max_shared, atomic)
 
 
 @functools.cache
 def _choose_config(
-    head_dim: int, input_kind: str, simulator: bool, cc: tuple[int, int] | None, max_shared: int | None
+    head_dim: int, input_kind: str, simulator: bool, cc: tuple[int, int] | None, max_shared: int | None,
+    atomic: bool = False,
 ) -> TCBackwardConfig:
     vector_red = cc is not None and cc >= (9, 0)
     if simulator:
@@ -783,6 +796,10 @@ def _choose_config(
         raise ValueError(
             f"the tensor-core backward supports head dims that are multiples of 16 up to 128, got {head_dim}"
         )
+    if atomic and head_dim > 64:
+        cfg = TCBackwardConfig(64, 128, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red)
+        if max_shared is None or shared_bytes(cfg, "dkdv_atomic") <= max_shared:
+            return cfg
     cfg = TCBackwardConfig(64, 64, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red)
     if max_shared is not None and max(shared_bytes(cfg, name) for name in KERNELS) > max_shared:
         cfg = TCBackwardConfig(32, 64, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red)
@@ -911,13 +928,16 @@ def compile_targets(cc: tuple[int, int] = (9, 0)):
 
     Steps 0 and 2' are the SIMT kernels of :mod:`nbflash.backward`, covered by its own compile targets.
     """
-    cfgs = [
-        choose_config(d, kind, simulator=False, cc=cc, max_shared=227 * 1024)  # Hopper's limit: the largest tiles
-        for d in (32, 64, 96, 128)
-        for kind in ("float16", "bfloat16")
-    ]
+    targets = []
+    for d in (32, 64, 96, 128):
+        for kind in ("float16", "bfloat16"):
+            # Hopper's limit: the largest tiles; the atomic route's own where it has them (above D = 64)
+            cfg, atomic = (choose_config(d, kind, simulator=False, cc=cc, max_shared=227 * 1024, atomic=a)
+                           for a in (False, True))
+            targets += [(name, cfg) for name in KERNELS if name != "dkdv_atomic" or atomic == cfg]
+            if atomic != cfg:
+                targets.append(("dkdv_atomic", atomic))
     return [
         (f"flash_backward_{name}_tc", cfg, _kernel(cfg, name), kernel_signature(cfg, name), True)
-        for cfg in cfgs
-        for name in KERNELS
+        for name, cfg in targets
     ]

@@ -158,7 +158,7 @@ def test_backward_tc_matches_reference(xp, rng, kind, deterministic, causal, n_q
 @pytest.fixture
 def lagging_warp(monkeypatch):
     """In the simulator, the last warp of a block reads shared memory slowly: every ``ldmatrix`` of its lanes
-    first sleeps 5 ms, so the other warps run ahead to their next barrier.  A copy started over a
+    first sleeps 20 ms, so the other warps run ahead to their next barrier.  A copy started over a
     buffer that a lagging warp still reads then poisons (with :data:`~nbflash.intrinsics.SIM_CP_ASYNC_LANDS_AT_WAIT`)
     what it reads: the simulator's round-robin scheduling, which keeps warps in step, would seldom show that."""
     if not SIMULATOR:
@@ -170,7 +170,7 @@ def lagging_warp(monkeypatch):
         def slow_read(smem, offset):
             me = threading.current_thread()
             if me.thread_id // 32 == me._manager._block_dim[0] // 32 - 1:
-                time.sleep(5e-3)
+                time.sleep(0.02)
             return read(smem, offset)
 
         return slow_read
@@ -270,6 +270,13 @@ def test_config_and_can_implement():
     assert T.choose_config(64, "float16", simulator=False, cc=(8, 6), max_shared=99 * 1024) == dataclasses.replace(
         d64, vector_red=False
     )
+    # The atomic route above D = 64: 8 warps, 128 keys per block, where shared memory allows (else the 64 × 64 tiles).
+    for d in (64, 128):
+        atomic = T.choose_config(d, "bfloat16", simulator=False, cc=(9, 0), max_shared=227 * 1024, atomic=True)
+        assert (atomic.block_m, atomic.block_n) == ((64, 128) if d > 64 else (64, 64))
+    assert T.shared_bytes(atomic, "dkdv_atomic") == 158720  # K, V: 2 · 128 · 136; Q, dO: 2 · 2 · 64 · 136; dSᵀ 128 · 72
+    fallback = T.choose_config(128, "bfloat16", simulator=False, cc=(8, 0), max_shared=150 * 1024, atomic=True)
+    assert fallback == T.choose_config(128, "bfloat16", simulator=False, cc=(8, 0), max_shared=150 * 1024)
     # Vector reductions for the atomic dQ from sm_90 on; the simulator (no compute capability) takes the scalar ones.
     for sim in (False, True):
         assert T.choose_config(64, "float16", simulator=sim, cc=(9, 0)).vector_red

@@ -126,6 +126,30 @@ def test_api_backward_wgmma(xp, rng):
         np.testing.assert_allclose(host(g).astype(np.float32), host(w).astype(np.float32), atol=4e-3, rtol=2e-2)
 
 
+@pytest.mark.parametrize("backend,default", [("simt", False), ("tensor_core", True), ("wgmma", True)])
+def test_default_dq_route(monkeypatch, backend, default):
+    """``deterministic=None`` takes the dQ route ``attention_backward`` documents for each kernel family (atomic for
+    SIMT; deterministic for the tensor cores and for wgmma, whose atomic route measured slower), and an explicit
+    ``True``/``False`` reaches the launcher as given (wgmma: where the configuration has the atomic route)."""
+    api = nbflash.api
+    seen = []
+
+    def record(cfg, *args, deterministic, **kw):
+        seen.append(deterministic)
+
+    monkeypatch.setattr(api._bwd, "launch_backward", record)
+    monkeypatch.setattr(api._bwd_tc, "launch_backward_tc", record)
+    monkeypatch.setattr(api._bwd_wg, "launch_backward_wgmma", record)
+    monkeypatch.setattr(api._bwd_wg, "can_implement", lambda *a, **kw: (True, ""))
+    cfg = {"simt": object(), "tensor_core": nbflash.backward_tc.TCBackwardConfig(16, 32, 16, "float16"),
+           "wgmma": B.WGBackwardConfig(64, 64, 16, "float16")}[backend]
+    plan = api.Plan(backend, cfg, "test")
+    x = np.zeros((1, 1, 4, 16), np.float16)
+    for choice in (None, True, False):
+        api.run_backward(plan, x, x, x, x, x, x, x, x, x, 0.25, False, deterministic=choice, stream=0)
+    assert seen == [default, True, False]
+
+
 def test_config_validation():
     for bad in (dict(block_m=96), dict(block_n=24), dict(head_dim=136), dict(input_kind="float32"), dict(dq_stages=4),
                 dict(dkdv_stages=1)):
