@@ -328,10 +328,13 @@ def attention_backward(
             heads·D = 2048; ``benchmarks/results/`` has the figures):
             *SIMT*: atomic — 23–26 TFLOP/s against 16–18 deterministic in fp32
             at D = 64 (N = 2k, 8k), for 128 MB more scratch;
-            *tensor cores*: deterministic — 141–186 TFLOP/s against 98–126
-            atomic at D = 64 and 127–158 against 98–123 at D = 128 (N = 1k–16k,
-            bf16/fp16): there the atomics of dQ cost more than recomputing S
-            and P in a second kernel; *wgmma* (Hopper): deterministic — the
+            *tensor cores*: deterministic — bf16 on the H200 (N = 1k–16k,
+            ``tc-backward-…-2026-12-01-one-barrier.json``) 139–209 TFLOP/s
+            against 123–213 atomic at D = 64, and 148–221 against 127–252 at
+            D = 128, where ``False`` takes FlashAttention-2's 8-warp 64 × 128
+            tiles: the atomic route wins from N = 4k at D = 128 (by 2–15 %)
+            but loses at 1k (by 2–14 %), and the deterministic one gives the
+            same bits on every run; *wgmma* (Hopper): deterministic — the
             atomic route (dQ from each dK/dV block through a shared dSᵀ tile
             and one more wgmma, added by ``red.global.add.v2.f32``) measured
             0.75–0.86× its speed at D = 64 and 0.87–1.03× at D = 128 (N = 1k–16k,

@@ -37,9 +37,9 @@ where ``D_i = rowsum(dO_i ∘ O_i)``.
    a. wait for tile i's copies, then one barrier: it makes them visible and
       ends every warp's use of tile i − 1's buffers, so the copy of Q_{i+1},
       dO_{i+1} and their lse2, D (``cp.async``, 4 bytes a value) into those
-      buffers starts right after it and runs under tile i's products — one
-      barrier per tile, where waiting before the barrier and refilling
-      before the next one needs two;
+      buffers starts right after it and runs under tile i's products.  One
+      barrier per tile: copies started before the wait would need a second
+      one at the end of every tile, to keep them off a buffer still in use;
    b. ``Sᵀ = K_j Q_iᵀ`` (16 × BLOCK_M per warp): A = K fragments, B = Q rows
       by ``ldmatrix`` (no transpose), as K in the forward's ``S = Q Kᵀ``;
    c. ``Pᵀ = exp2(Sᵀ · scale · log2 e − lse2_col)``: value i of a thread's
@@ -87,6 +87,7 @@ different banks::
     D=64 (64 × 64 tiles):           dK/dV 56 320 bytes (atomic 65 536), dQ 55 296
     D=128 (64 × 64 tiles):          dK/dV 105 472 bytes (atomic 114 688), dQ 104 448
     D=128 (64 keys × 32 queries, where a block gets less than that): 70 144 (75 264), 69 632
+    D=128 (128 keys × 64 queries, the atomic route's 8 warps):       atomic 158 720
 
 Status: correct in the Numba simulator (tests/test_backward_tc.py) and
 compiles for sm_80/sm_90 with no local memory and no spills.  The H200 run
@@ -99,8 +100,11 @@ within a few per cent of it, faster on some shapes and slower on others, so
 the deterministic route stays the default.  With the tile copier's short
 path (one address per tile, 3f5a8c4; ``tc-backward-…-copier.json``, bf16):
 164–207 TFLOP/s at D = 128 and 127–204 at D = 64, 0.69–0.94×
-FlashAttention-2.  :func:`nbflash.attention_backward` runs it for
-float16/bfloat16 (``backend=``).
+FlashAttention-2.  With the product nests unrolled and one barrier per
+tile (``tc-backward-NVIDIA-H200-2026-12-01-one-barrier.json``, bf16,
+N = 1k–16k, the same run as FlashAttention-2): deterministic 139–221
+TFLOP/s, 0.72–0.89×; atomic at D = 128 with 64 × 128 tiles 127–252, 0.74–0.82×.
+:func:`nbflash.attention_backward` runs it for float16/bfloat16 (``backend=``).
 """
 
 from __future__ import annotations
