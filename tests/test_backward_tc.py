@@ -271,10 +271,10 @@ def test_config_and_can_implement():
         d64, vector_red=False
     )
     # The atomic route above D = 64: 8 warps, 128 keys per block, where shared memory allows (else the 64 × 64 tiles).
-    for d in (64, 128):
-        atomic = T.choose_config(d, "bfloat16", simulator=False, cc=(9, 0), max_shared=227 * 1024, atomic=True)
-        assert (atomic.block_m, atomic.block_n) == ((64, 128) if d > 64 else (64, 64))
-    assert T.shared_bytes(atomic, "dkdv_atomic") == 158720  # K, V: 2 · 128 · 136; Q, dO: 2 · 2 · 64 · 136; dSᵀ 128 · 72
+    a64, a128 = (T.choose_config(d, "bfloat16", simulator=False, cc=(9, 0), max_shared=227 * 1024, atomic=True)
+                 for d in (64, 128))
+    assert (a64.block_m, a64.block_n, a128.block_m, a128.block_n) == (64, 64, 64, 128)
+    assert T.shared_bytes(a128, "dkdv_atomic") == 158720  # K, V: 2 · 128 · 136; Q, dO: 2 · 2 · 64 · 136; dSᵀ 128 · 72
     fallback = T.choose_config(128, "bfloat16", simulator=False, cc=(8, 0), max_shared=150 * 1024, atomic=True)
     assert fallback == T.choose_config(128, "bfloat16", simulator=False, cc=(8, 0), max_shared=150 * 1024)
     # Vector reductions for the atomic dQ from sm_90 on; the simulator (no compute capability) takes the scalar ones.
