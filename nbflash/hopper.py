@@ -573,7 +573,7 @@ def _sim_block_fenced():
 
 
 def _sim_observe_landing(dst, start):
-    chunk = dst.__array_interface__["data"][0] + start
+    chunk = dst.__array_interface__["data"][0] + (start & ~15)  # the 16-byte chunk (a 4-byte copy lands inside one)
     _thread_state()["landed"].append(chunk)
     unfenced = _sim_unfenced_chunks()
     with _sim_lock:
