@@ -1,8 +1,10 @@
 """The tensor-core kernels at ragged sizes, a short run for ``compute-sanitizer`` (the full set: sanitize.py).
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize_tc.py
+    compute-sanitizer --tool racecheck python benchmarks/sanitize_tc.py --mma-backward   # that backward only
 
-The ``mma.sync`` forward at head dims 40, 64, 128 and 256 and its backward at 64 and 128 (both dQ routes),
+The ``mma.sync`` forward and backward (both dQ routes) at head dims 40, 64, 128 and 256 (40: padded to 48
+in shared memory; 256: two 128-column slices per key tile),
 and on a Hopper GPU the ``wgmma`` forward and backward defaults at 40, 64 and 128 (the backward by both dQ
 routes; the forward's producer copies by TMA), the forward that copies with cp.async instead at 64 and
 128, and the long-sequence default at both (at D = 64 a 128 × 192 ws-overlap kernel): bshd views, ragged K/V
@@ -20,15 +22,15 @@ import cupy as cp  # noqa: E402
 import nbflash  # noqa: E402
 from nbflash import forward_wgmma  # noqa: E402
 
-hopper = nbflash._device.compute_capability()[0] == 9
+mma_backward_only = "--mma-backward" in sys.argv[1:]
+hopper = nbflash._device.compute_capability()[0] == 9 and not mma_backward_only
 for d in (40, 64, 128, 256):
     x = cp.random.standard_normal((1, 150, 2, d)).astype(cp.float16)
     kv = x[:, :131]
     o, lse = nbflash.attention(x, kv, kv, causal=True, layout="bshd", return_lse=True, backend="tensor_core")
-    if d in (64, 128):
-        for det in (True, False):
-            nbflash.attention_backward(x, x, kv, kv, o, lse, causal=True, layout="bshd", deterministic=det,
-                                       backend="tensor_core")
+    for det in (True, False):
+        nbflash.attention_backward(x, x, kv, kv, o, lse, causal=True, layout="bshd", deterministic=det,
+                                   backend="tensor_core")
     if hopper and d <= 128:
         o, lse = nbflash.attention(x, kv, kv, causal=True, layout="bshd", return_lse=True, backend="wgmma")
         for det in (True, False):  # dQ by its own kernel, and by atomics in the dK/dV kernel

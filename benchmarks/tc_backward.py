@@ -16,7 +16,9 @@ Run on a CUDA machine (CuPy and PyTorch needed)::
 
 Tile sweep (``--configs 64x64r,128x128r,64x128,wg128x64s23``): candidate
 configurations of :mod:`nbflash.backward_tc`, by tag ``<block_m>x<block_n>``
-plus ``r`` when each warp keeps its K/V fragments in registers, and of
+plus ``r`` when each warp keeps its K/V fragments in registers and ``d<columns>``
+for the gradient columns per block (``TCBackwardConfig.d_slice``; needed above
+D = 128, e.g. ``32x64d64@256``), and of
 :mod:`nbflash.backward_wgmma` by ``wg<block_m>x<block_n>`` plus, optionally,
 ``s<dK/dV buffers><dQ buffers>`` (``s23``: two buffers per streamed tile in the
 dK/dV kernel, three in the dQ kernel; default two and two).  ``@64`` after a
@@ -60,7 +62,7 @@ KIND = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEVICE = "cuda"
 TOKENS, WIDTH = 16384, 2048  # timed shapes: batch · N and heads · D
-TAG = re.compile(r"(wg)?(\d+)x(\d+)(r?)(?:s(\d)(\d))?(?:@(\d+))?")
+TAG = re.compile(r"(wg)?(\d+)x(\d+)(r?)(?:s(\d)(\d))?(?:d(\d+))?(?:@(\d+))?")
 # (seqlen_q, seqlen_k, causal) of the candidates' check: ragged tiles, both causal shapes, whole blocks.
 SWEEP_CASES = [(97, 97, False), (200, 97, True), (97, 200, True), (1025, 1025, True), (2048, 2048, False)]
 
@@ -155,7 +157,8 @@ def tag(cfg) -> str:
     if is_wgmma(cfg):
         stages = "" if cfg.stages == 2 else f"s{cfg.dkdv_stages}{cfg.dq_stages}"
         return f"wg{cfg.block_m}x{cfg.block_n}{stages}"
-    return f"{cfg.block_m}x{cfg.block_n}{'r' if cfg.kv_in_registers else ''}"
+    cols = f"d{cfg.d_slice}" if cfg.d_slice else ""
+    return f"{cfg.block_m}x{cfg.block_n}{'r' if cfg.kv_in_registers else ''}{cols}"
 
 
 def parse_configs(spec: str, dims, kinds) -> list[T.TCBackwardConfig]:
@@ -167,24 +170,29 @@ def parse_configs(spec: str, dims, kinds) -> list[T.TCBackwardConfig]:
     parsed = []
     for t in tags:
         m = TAG.fullmatch(t)
-        if not m or (m[1] and m[4]) or (m[5] and not m[1]):
+        if not m or (m[1] and (m[4] or m[7])) or (m[5] and not m[1]):
             raise ValueError(
-                f"bad config tag {t!r}: expected <block_m>x<block_n>[r][@<head dim>] or "
-                "wg<block_m>x<block_n>[s<dK/dV stages><dQ stages>][@<head dim>], e.g. 64x128r or wg128x64s23@128"
+                f"bad config tag {t!r}: expected <block_m>x<block_n>[r][d<columns>][@<head dim>] or "
+                "wg<block_m>x<block_n>[s<dK/dV stages><dQ stages>][@<head dim>], e.g. 64x128r, 32x64d64@256 "
+                "or wg128x64s23@128"
             )
         stages = (int(m[5]), int(m[6])) if m[5] else (2, 2)
-        parsed.append((bool(m[1]), int(m[2]), int(m[3]), m[4] == "r", stages, int(m[7]) if m[7] else None))
+        parsed.append((bool(m[1]), int(m[2]), int(m[3]), m[4] == "r", stages, int(m[7] or 0),
+                       int(m[8]) if m[8] else None))
     cfgs = []
     for d in dims:
         for kind in kinds:
             default = T.choose_config(d, kind, simulator=False)
             mine = [default]
-            for wg, bm, bn, regs, stages, only in parsed:
+            for wg, bm, bn, regs, stages, cols, only in parsed:
+                if only is not None and only != d:
+                    continue
                 if wg:
                     cfg = W.WGBackwardConfig(bm, bn, d, kind, dkdv_stages=stages[0], dq_stages=stages[1])
                 else:
-                    cfg = T.TCBackwardConfig(bm, bn, d, kind, kv_in_registers=regs, vector_red=default.vector_red)
-                if (only is None or only == d) and cfg not in mine:
+                    cfg = T.TCBackwardConfig(bm, bn, d, kind, kv_in_registers=regs, vector_red=default.vector_red,
+                                             d_slice=cols)
+                if cfg not in mine:
                     mine.append(cfg)
             cfgs += mine
     return cfgs

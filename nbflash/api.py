@@ -347,9 +347,9 @@ def attention_backward(
             that are multiples of 8 up to 128 — measured 1.03–1.25× SDPA's
             FlashAttention-2 backward on the H200 at D = 128 and 0.91–1.16× at
             D = 64 (N ≥ 1k), against 0.63–0.94× for the ``mma.sync`` one;
-            else the tensor-core backward of
-            :mod:`nbflash.backward_tc` at head dims that are multiples of 16 up
-            to 128 on an sm_80+ GPU; the SIMT one otherwise), ``"simt"`` or
+            else — and on Hopper above D = 128 — the tensor-core backward of
+            :mod:`nbflash.backward_tc` at head dims that are multiples of 8 up
+            to 256 on an sm_80+ GPU; the SIMT one otherwise), ``"simt"`` or
             ``"tensor_core"``, or ``"wgmma"`` (Hopper's warpgroup kernels,
             :mod:`nbflash.backward_wgmma`; compute capability 9.x, head dims
             that are multiples of 8 up to 128); independent of the forward's backend
@@ -424,7 +424,8 @@ def backward_arrays(
 
 def plan_backward(head_dim: int, input_kind: str, scale: float, do, q, k, v, o, backend: str = "auto") -> Plan:
     """Choose the backward kernels for validated inputs (canonical views or descriptors): the rule of
-    :func:`plan_forward`, with the tensor-core backward's own constraints (head dim a multiple of 16 up to 128).
+    :func:`plan_forward`, with the tensor-core backward's own constraints (head dim a multiple of 8 up to 256;
+    the wgmma backward's, on Hopper, up to 128).
     The SIMT kernels copy their tiles by cp.async where the rows allow it (:func:`nbflash.backward.with_copies`)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

@@ -22,7 +22,8 @@ where ``D_i = rowsum(dO_i ∘ O_i)``.
    ``lse2_i = lse_i · log2 e`` (``+inf`` for a row that saw no key) and, for
    the atomic variant, a cleared float32 dQ accumulator.
 
-1. **dK, dV** (grid: key tiles × heads × batch; ``BLOCK_N / 16`` warps).  Warp
+1. **dK, dV** (grid: key tiles × slices × heads × batch; ``BLOCK_N / 16`` warps;
+   one slice, all of D, up to D = 128 — see *Large head dims* below).  Warp
    ``w`` owns the 16 keys ``16w .. 16w + 15`` of ``K_j, V_j``.  Because its
    rows are keys, every product below comes out *transposed*, with keys as the
    rows of the accumulator — and the accumulator layout of ``Pᵀ`` and ``dSᵀ``
@@ -59,8 +60,9 @@ where ``D_i = rowsum(dO_i ∘ O_i)``.
 
    Finally ``dK_j · scale`` and ``dV_j`` are written once.
 
-2. **dQ**, deterministic variant (grid: query tiles × heads × batch; the same
-   warps, now each owning 16 *queries*).  Q_i and dO_i stay as A fragments;
+2. **dQ**, deterministic variant (grid: query tiles × slices × heads × batch; the same
+   warps, now each owning 16 *queries*).  Q_i and dO_i stay as A fragments (with
+   several slices they are re-read for every key tile, a slice's width at a time);
    K_j, V_j stream past, double-buffered, with step 1a's one barrier per
    tile.  Per key tile: ``S = Q_i K_jᵀ``,
    ``P = exp2(S · scale · log2 e − lse2_row)`` (masked), ``dP = dO_i V_jᵀ``
@@ -70,24 +72,41 @@ where ``D_i = rowsum(dO_i ∘ O_i)``.
 2'. **Convert**, atomic variant — the SIMT kernel of :mod:`nbflash.backward`:
    ``dq = accumulator · scale`` in the output type.
 
-Constraints (:func:`can_implement`): ``D`` a multiple of 16 up to 128; any
-``N_q, N_k ≥ 1`` (ragged tails are zero-filled by ``cp.async``; causal is
-bottom-right aligned); q, k, v, do contiguous along ``D`` with 16-byte aligned
-rows.  Shared memory per block (:func:`shared_bytes`), every row padded by 8
-elements (16 bytes) so that ``ldmatrix``'s eight row addresses fall in
-different banks::
+**Large head dims.**  A warp's dK and dV accumulators hold its 16 keys × the
+block's gradient columns: 64 + 64 registers at D = 128, too many at D = 256.
+So above a padded D of 128 the head dim is cut into *slices* of at most 128
+gradient columns (:attr:`TCBackwardConfig.d_slice`; two slices of 128 at
+D = 256, of 80 at D = 160), one block per (key tile, slice).  Each block
+still recomputes ``Sᵀ`` and ``dPᵀ`` over the whole head dim — loading its K
+(or V) fragments one slice's width of k-steps at a time, so that one group of
+fragments is live — and then accumulates only its own columns of dV, dK and
+(atomic) dQ.  The recomputed products are the price: at D = 256 the two
+blocks of a key tile do 1.5× the matrix work of one unsliced block (12
+products of 128 columns against 8), which would need twice the accumulator
+registers.  The dQ kernel is sliced the same way.
 
-    dK/dV:  K_j, V_j     2 × BLOCK_N × (D + 8)                   2 bytes each
-            Q_i, dO_i    2 × 2 buffers × BLOCK_M × (D + 8)
+Constraints (:func:`can_implement`): ``D`` a multiple of 8 up to 256 (padded
+to a multiple of 16 — the mma's k — in shared memory, the padding zero-filled
+by ``cp.async`` and never written back: a gradient tile of padding is neither
+stored nor, since it is dead, computed); any ``N_q, N_k ≥ 1`` (ragged tails
+are zero-filled by ``cp.async``; causal is bottom-right aligned); q, k, v, do
+contiguous along ``D`` with 16-byte aligned rows.  Shared memory per block
+(:func:`shared_bytes`; ``C`` = :attr:`~TCBackwardConfig.d_smem`, the padded
+D, or every slice whole), every row padded by 8 elements (16 bytes) so that
+``ldmatrix``'s eight row addresses fall in different banks::
+
+    dK/dV:  K_j, V_j     2 × BLOCK_N × (C + 8)                   2 bytes each
+            Q_i, dO_i    2 × 2 buffers × BLOCK_M × (C + 8)
             lse2, D      2 × 2 buffers × BLOCK_M                 4 bytes each
             dSᵀ          BLOCK_N × (BLOCK_M + 8)                 atomic variant only
-    dQ:     Q_i, dO_i    2 × BLOCK_N × (D + 8)                   (the dQ kernel's query tile is BLOCK_N)
-            K_j, V_j     2 × 2 buffers × BLOCK_M × (D + 8)
+    dQ:     Q_i, dO_i    2 × BLOCK_N × (C + 8)                   (the dQ kernel's query tile is BLOCK_N)
+            K_j, V_j     2 × 2 buffers × BLOCK_M × (C + 8)
 
     D=64 (64 × 64 tiles):           dK/dV 56 320 bytes (atomic 65 536), dQ 55 296
     D=128 (64 × 64 tiles):          dK/dV 105 472 bytes (atomic 114 688), dQ 104 448
     D=128 (64 keys × 32 queries, where a block gets less than that): 70 144 (75 264), 69 632
     D=128 (128 keys × 64 queries, the atomic route's 8 warps):       atomic 158 720
+    D=256 (64 keys × 32 queries, two slices of 128):  dK/dV 135 680 (atomic 140 800), dQ 135 168
 
 Status: correct in the Numba simulator (tests/test_backward_tc.py) and
 compiles for sm_80/sm_90 with no local memory and no spills.  The H200 run
@@ -145,24 +164,40 @@ class TCBackwardConfig:
     kernel; in the deterministic dQ kernel the roles swap (``block_n`` queries
     stay, ``block_m`` keys stream), so both kernels have the same warps and
     similar registers per warp.
+
+    The head dim is padded to a multiple of 16 (the mma's k) in shared memory,
+    the padding zero-filled by ``cp.async`` and never written back.  A block
+    owns the gradient columns of one *slice* of the padded head dim
+    (``d_slice`` columns; 0: all of them): its dK, dV (or dQ) accumulators
+    hold ``16 · d_slice / 32`` values per thread each, so a large head dim is
+    cut into slices, one block per slice.  Every slice's block recomputes Sᵀ
+    and dPᵀ over the whole head dim (their K fragments read one slice wide at
+    a time) — the price of keeping the accumulators in registers at D = 256.
     """
 
     block_m: int  # dK/dV kernel: queries per streamed Q_i, dO_i tile (dQ kernel: keys per K_j, V_j tile)
     block_n: int  # dK/dV kernel: keys per block, 16 per warp (dQ kernel: queries per block)
-    head_dim: int  # D, a multiple of 16
+    head_dim: int  # D, a multiple of 8 up to 256 (padded to 16 inside)
     input_kind: str  # "float16" or "bfloat16"
     kv_in_registers: bool = True  # dK/dV: keep the warp's K_j, V_j A-fragments in registers (else re-ldmatrix)
     vector_red: bool = False  # atomic dQ (step 1g): red.global.add.v2.f32, one per accumulator pair (sm_90+)
+    d_slice: int = 0  # gradient columns per block, a multiple of 16 up to 128 (0: the whole padded head dim)
 
     def __post_init__(self):
         if self.block_n not in (16, 32, 64, 128):
             raise ValueError(f"block_n must be 16, 32, 64 or 128 (16 rows per warp), got {self.block_n}")
         if self.block_m <= 0 or self.block_m % 16:
             raise ValueError(f"block_m must be a positive multiple of 16, got {self.block_m}")
-        if self.head_dim <= 0 or self.head_dim % 16 or self.head_dim > 128:
-            raise ValueError(f"head_dim must be a multiple of 16 up to 128, got {self.head_dim}")
+        if self.head_dim <= 0 or self.head_dim % 8 or self.head_dim > 256:
+            raise ValueError(f"head_dim must be a multiple of 8 up to 256, got {self.head_dim}")
         if self.input_kind not in ("float16", "bfloat16"):
             raise ValueError(f"input_kind must be 'float16' or 'bfloat16', got {self.input_kind!r}")
+        if self.d_slice < 0 or self.d_slice % 16 or self.d_slice > 128:
+            raise ValueError(f"d_slice must be 0 or a multiple of 16 up to 128, got {self.d_slice}")
+        if self.kv_in_registers and self.slices > 1:
+            raise ValueError("kv_in_registers holds the whole head dim's fragments: it needs one slice (d_slice=0)")
+        if not self.d_slice and self.d_pad > 128:
+            raise ValueError(f"a padded head dim of {self.d_pad} needs d_slice (at most 128 columns per block)")
 
     @property
     def warps(self) -> int:
@@ -173,9 +208,29 @@ class TCBackwardConfig:
         return 32 * self.warps
 
     @property
+    def d_pad(self) -> int:
+        """D rounded up to the mma's k = 16."""
+        return -(-self.head_dim // 16) * 16
+
+    @property
+    def slice_cols(self) -> int:
+        """Gradient columns of one block (a multiple of 16)."""
+        return self.d_slice or self.d_pad
+
+    @property
+    def slices(self) -> int:
+        """Blocks per tile of stationary rows, one per slice of the head dim."""
+        return -(-self.d_pad // self.slice_cols)
+
+    @property
+    def d_smem(self) -> int:
+        """Columns of the shared Q, K, V, dO tiles: every slice whole (≥ D; the columns past D are zero)."""
+        return self.slices * self.slice_cols
+
+    @property
     def pitch(self) -> int:
-        """Row pitch of the Q, K, V, dO tiles (elements): D plus one 16-byte chunk against bank conflicts."""
-        return self.head_dim + 8
+        """Row pitch of the Q, K, V, dO tiles (elements): the columns plus one 16-byte chunk against bank conflicts."""
+        return self.d_smem + 8
 
     @property
     def ds_pitch(self) -> int:
@@ -229,9 +284,9 @@ def shared_bytes(cfg: TCBackwardConfig, name: str = "dkdv_atomic") -> int:
 
 def _make_tile_copier(rows: int, cfg: TCBackwardConfig):
     """``copy(smem, offset, src, b, h, start, seqlen, tid)``: ``cp.async`` rows ``[start, start + rows)``
-    of ``src[b, h]`` to ``smem[offset + r·PITCH]``, rows past ``seqlen`` zero-filled — the tensor-core
-    tile copy of :func:`nbflash._tiles.make_tc_tile_copier` (D is a multiple of 16: no padding chunks)."""
-    return make_tc_tile_copier(rows, cfg.threads, cfg.head_dim, cfg.head_dim // 8, make_padded_offset(cfg.pitch))
+    of ``src[b, h]`` to ``smem[offset + r·PITCH]``, rows past ``seqlen`` and the columns from D to
+    ``cfg.d_smem`` zero-filled — the tensor-core tile copy of :func:`nbflash._tiles.make_tc_tile_copier`."""
+    return make_tc_tile_copier(rows, cfg.threads, cfg.head_dim, cfg.d_smem // 8, make_padded_offset(cfg.pitch))
 
 
 def _make_fragment_ops(input_kind: str):
@@ -255,6 +310,48 @@ def _make_fragment_ops(input_kind: str):
         return pack(acc[n, i], acc[n, i + 1])
 
     return device_function(mma_into), device_function(pack_pair)
+
+
+@device_function
+def load_fragments(frags, smem, row_address, steps):
+    """``frags[kk] =`` the A fragment of a warp's 16 rows of a shared tile (K_j or V_j in the dK/dV kernel,
+    Q_i or dO_i in the dQ kernel) for the k-steps ``kk < steps`` from ``row_address`` (this lane's
+    ``ldmatrix`` address): one ``ldmatrix.x4`` each, all before the products that use them, so that NVVM
+    unrolls those products (with each k-step's load inside the nest, it kept them as loops)."""
+    for kk in range(steps):
+        f = I.ldmatrix_x4(smem, row_address + 16 * kk)
+        for i in range(4):
+            frags[kk, i] = f[i]
+
+
+def _make_row_product(groups: int, group: int, held: bool, b_tiles: int, pitch: int, mma_into):
+    """``row_product(acc, frags, smem, a_address, b_address)``: ``acc += A Bᵀ`` over every k-step of the shared
+    columns, for a warp's 16 rows A of one shared tile against ``16 · b_tiles`` rows B of another — Sᵀ = K_j Q_iᵀ
+    and dPᵀ = V_j dO_iᵀ in the dK/dV kernel, S = Q_i K_jᵀ and dP = dO_i V_jᵀ in the dQ kernel.
+
+    ``frags`` holds A's fragments: all ``groups · group`` k-steps when ``held`` (loaded once by the caller),
+    else one group of ``group`` k-steps, loaded here from ``a_address`` (this lane's ``ldmatrix`` address of
+    the warp's rows) before that group's products.  B's fragments come by ``ldmatrix`` (no transpose) from
+    ``b_address`` (this lane's address in B's first 16 rows), each feeding two 16×8 tiles of ``acc``.
+    """
+
+    def row_product(acc, frags, smem, a_address, b_address):
+        for grp in range(groups):
+            k0 = group * grp  # the group's first k-step
+            if not held:
+                # (With one group the address is spelt without the loop index: with it, NVVM placed the lane
+                # arithmetic differently and ptxas spilled 16 bytes in the dK/dV kernel at D = 96.)
+                load_fragments(frags, smem, a_address if groups == 1 else a_address + 16 * k0, group)
+            for kg in range(group):
+                kk = k0 + kg
+                kr = kk if held else kg
+                a0, a1, a2, a3 = frags[kr, 0], frags[kr, 1], frags[kr, 2], frags[kr, 3]
+                for n2 in range(b_tiles):
+                    bf = I.ldmatrix_x4(smem, b_address + 16 * n2 * pitch + 16 * kk)
+                    for half in range(2):
+                        mma_into(acc, 2 * n2 + half, a0, a1, a2, a3, bf[2 * half], bf[2 * half + 1])
+
+    return device_function(row_product)
 
 
 def _make_pair_storer(input_kind: str):
@@ -293,24 +390,30 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
     """The compiled dK/dV kernel (step 1) for one configuration (cached); ``atomic_dq`` adds step 1g."""
     BLOCK_M, BLOCK_N, D = cfg.block_m, cfg.block_n, cfg.head_dim
     THREADS, WARPS, PITCH, DS_PITCH = cfg.threads, cfg.warps, cfg.pitch, cfg.ds_pitch
+    SLICES, SLICE = cfg.slices, cfg.slice_cols  # blocks per key tile, and the gradient columns of each
     KV_IN_REGS, ATOMIC_DQ, VECTOR_RED = cfg.kv_in_registers, atomic_dq, cfg.vector_red
     off = shared_offsets(cfg, "dkdv_atomic" if atomic_dq else "dkdv")
     K_OFF, V_OFF, Q_OFF, DO_OFF, DS_OFF = off["k"], off["v"], off["q"], off["do"], off.get("ds", 0)
     QD_STRIDE = BLOCK_M * PITCH  # elements from one Q (or dO) buffer to the other
     LSE_F, DELTA_F = off["lse2"] // 2, off["delta"] // 2  # float32 offsets of the lse2 and D buffers
-    K_STEPS = D // 16  # k-steps of Sᵀ = K Qᵀ and dPᵀ = V dOᵀ
+    # Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: k-steps over the shared columns, in groups of one slice's width (the K or V
+    # fragments of one group are loaded before its products; one group when there is one slice).
+    GROUP = SLICE // 16 if SLICES > 1 else cfg.d_pad // 16
+    GROUPS = SLICES
+    K_STEPS = GROUP * GROUPS
     Q_TILES = BLOCK_M // 8  # 8-query column tiles of Sᵀ, dPᵀ
-    D_TILES = D // 8  # 8-wide column tiles of dK, dV
+    D_TILES = SLICE // 8  # 8-wide column tiles of the block's slice of dK, dV
+    PADDED = cfg.d_smem > D  # some gradient columns are padding: not written
     M_STEPS = BLOCK_M // 16  # k-steps of dV += Pᵀ dO, dK += dSᵀ Q
     N_STEPS = BLOCK_N // 16  # k-steps of dQ += dS K
-    # Step 1g: the BLOCK_M × D block of dQ_i is cut into units of 16 queries × DQ_CHUNK columns,
-    # dealt round-robin to the warps.  DQ_CHUNK is a multiple of 16 (one mma is 8 columns, an
-    # ldmatrix.trans of K_j 16) that divides D, as wide as still gives every warp a unit where the
-    # tiles allow: D = 80 with 4 warps and 32 queries is 5 chunks of 16, not 2 of 40.
-    D16 = D // 16
+    # Step 1g: the BLOCK_M × SLICE block of dQ_i (the block's columns) is cut into units of 16 queries ×
+    # DQ_CHUNK columns, dealt round-robin to the warps.  DQ_CHUNK is a multiple of 16 (one mma is 8
+    # columns, an ldmatrix.trans of K_j 16) that divides SLICE, as wide as still gives every warp a unit
+    # where the tiles allow: D = 80 with 4 warps and 32 queries is 5 chunks of 16, not 2 of 40.
+    D16 = SLICE // 16
     want = min(D16, max(1, WARPS // M_STEPS))  # chunks per 16 queries that would keep every warp busy
     DQ_CHUNKS = next(c for c in range(want, D16 + 1) if D16 % c == 0)  # ... rounded up to a divisor of D / 16
-    DQ_CHUNK = D // DQ_CHUNKS
+    DQ_CHUNK = SLICE // DQ_CHUNKS
     DQ_TILES = DQ_CHUNK // 8  # 8-wide column tiles of one unit
     DQ_UNITS = M_STEPS * DQ_CHUNKS
     DQ_ROUNDS = -(-DQ_UNITS // WARPS)
@@ -323,6 +426,7 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
     store_pair = _make_pair_storer(cfg.input_kind)
     copy_kv = _make_tile_copier(BLOCK_N, cfg)
     copy_q = _make_tile_copier(BLOCK_M, cfg)
+    row_product = _make_row_product(GROUPS, GROUP, KV_IN_REGS, M_STEPS, PITCH, mma_into)
 
     @device_function
     def copy_row_values(smem_f, offset, src, b, h, start, seqlen, tid):
@@ -336,20 +440,17 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
             inside = row < seqlen
             I.cp_async_4(smem_f, offset + c, src, (b, h, row if inside else seqlen - 1), 4 if inside else 0)
 
-    @device_function
-    def load_fragments(frags, smem, row_address):
-        """The warp's 16 rows of a K_j or V_j tile as A fragments, one ``ldmatrix.x4`` per k-step."""
-        for kk in range(K_STEPS):
-            f = I.ldmatrix_x4(smem, row_address + 16 * kk)
-            for i in range(4):
-                frags[kk, i] = f[i]
-
     @kernel(fastmath=True)
     def flash_backward_dkdv_tc(q, k, v, do, lse2, delta, dk, dv, dq_accum, qk_scale_log2, scale, causal):
         """One block: dK_j and dV_j for BLOCK_N keys of one (batch, head)."""
         seqlen_q = q.shape[2]
         seqlen_k = k.shape[2]
-        k_start = cuda.blockIdx.x * BLOCK_N  # the first key tiles have the most causal queries: they start first
+        if SLICES == 1:
+            k_start = cuda.blockIdx.x * BLOCK_N  # the first key tiles have the most causal queries: they start first
+            c0 = 0  # the block's first gradient column
+        else:
+            k_start = (cuda.blockIdx.x // SLICES) * BLOCK_N  # (the slices of a key tile side by side)
+            c0 = (cuda.blockIdx.x % SLICES) * SLICE
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
         tid = numba.int64(u32(cuda.threadIdx.x))  # known ≥ 0: no sign fix-ups in // and % below
@@ -362,8 +463,8 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
         smem32 = cuda.shared.array(0, numba.uint32, alignment=SMEM_ALIGN)
         smem_f = cuda.shared.array(0, numba.float32, alignment=SMEM_ALIGN)
 
-        kf = cuda.local.array((K_STEPS, 4), numba.uint32)  # K_j A-fragments (kv_in_registers)
-        vf = cuda.local.array((K_STEPS, 4), numba.uint32)  # V_j A-fragments (kv_in_registers)
+        kf = cuda.local.array((K_STEPS if KV_IN_REGS else GROUP, 4), numba.uint32)  # K_j A-fragments
+        vf = cuda.local.array((K_STEPS if KV_IN_REGS else GROUP, 4), numba.uint32)  # V_j A-fragments
         S = cuda.local.array((Q_TILES, 4), numba.float32)  # Sᵀ, then Pᵀ
         dP = cuda.local.array((Q_TILES, 4), numba.float32)  # dPᵀ, then dSᵀ
         dK = cuda.local.array((D_TILES, 4), numba.float32)
@@ -418,8 +519,8 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
 
             # The warp's 16 rows of K_j and V_j into registers, once.
             if KV_IN_REGS and it == 0:
-                load_fragments(kf, smem, k_row)
-                load_fragments(vf, smem, v_row)
+                load_fragments(kf, smem, k_row, K_STEPS)
+                load_fragments(vf, smem, v_row, K_STEPS)
 
             # Step 1b: Sᵀ = K_j Q_iᵀ (16 keys × BLOCK_M queries per warp); 1d's dPᵀ = V_j dO_iᵀ likewise.
             # Two loop nests, not one: NVVM unrolls each of them fully (a fused one it would not).
@@ -429,22 +530,9 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
                 for i in range(4):
                     S[n, i] = ZERO
                     dP[n, i] = ZERO
-            if not KV_IN_REGS:
-                load_fragments(kf, smem, k_row)
-            for kk in range(K_STEPS):
-                a0, a1, a2, a3 = kf[kk, 0], kf[kk, 1], kf[kk, 2], kf[kk, 3]
-                for n2 in range(M_STEPS):
-                    qb = I.ldmatrix_x4(smem, q_base + (16 * n2 + bt_row) * PITCH + 16 * kk + bt_col)
-                    for half in range(2):
-                        mma_into(S, 2 * n2 + half, a0, a1, a2, a3, qb[2 * half], qb[2 * half + 1])
-            if not KV_IN_REGS:
-                load_fragments(vf, smem, v_row)
-            for kk in range(K_STEPS):
-                a0, a1, a2, a3 = vf[kk, 0], vf[kk, 1], vf[kk, 2], vf[kk, 3]
-                for n2 in range(M_STEPS):
-                    ob = I.ldmatrix_x4(smem, do_base + (16 * n2 + bt_row) * PITCH + 16 * kk + bt_col)
-                    for half in range(2):
-                        mma_into(dP, 2 * n2 + half, a0, a1, a2, a3, ob[2 * half], ob[2 * half + 1])
+            # With several slices, K_j's (V_j's) fragments are loaded one slice's width of k-steps at a time.
+            row_product(S, kf, smem, k_row, q_base + bt_row * PITCH + bt_col)
+            row_product(dP, vf, smem, v_row, do_base + bt_row * PITCH + bt_col)
 
             # Step 1c: Pᵀ = exp2(Sᵀ · scale · log2 e − lse2_col).  Value i of tile n: key g + 8(i >> 1),
             # query 8n + 2t + (i & 1).  Step 1d: dSᵀ = Pᵀ ∘ (dPᵀ − D_col), kept in dP.
@@ -476,7 +564,7 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
                 pa2 = pack_pair(S, 2 * kk + 1, 0)  # key g,     queries 8 + 2t, 8 + 2t + 1
                 pa3 = pack_pair(S, 2 * kk + 1, 2)  # key g + 8, queries 8 + 2t, 8 + 2t + 1
                 for d2 in range(D_TILES // 2):
-                    ob = I.ldmatrix_x4_trans(smem, do_base + (16 * kk + a_row) * PITCH + 16 * d2 + a_col)
+                    ob = I.ldmatrix_x4_trans(smem, do_base + (16 * kk + a_row) * PITCH + c0 + 16 * d2 + a_col)
                     for half in range(2):
                         mma_into(dV, 2 * d2 + half, pa0, pa1, pa2, pa3, ob[2 * half], ob[2 * half + 1])
             # Step 1f: dK_j += dSᵀ Q_i, dSᵀ packed the same way.
@@ -486,7 +574,7 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
                 sa2 = pack_pair(dP, 2 * kk + 1, 0)
                 sa3 = pack_pair(dP, 2 * kk + 1, 2)
                 for d2 in range(D_TILES // 2):
-                    qb = I.ldmatrix_x4_trans(smem, q_base + (16 * kk + a_row) * PITCH + 16 * d2 + a_col)
+                    qb = I.ldmatrix_x4_trans(smem, q_base + (16 * kk + a_row) * PITCH + c0 + 16 * d2 + a_col)
                     for half in range(2):
                         mma_into(dK, 2 * d2 + half, sa0, sa1, sa2, sa3, qb[2 * half], qb[2 * half + 1])
                 if ATOMIC_DQ:  # the same packed dSᵀ registers, to the shared [key][query] tile (32-bit stores)
@@ -503,7 +591,7 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
                     unit = warp + WARPS * rnd
                     if DQ_EVEN or unit < DQ_UNITS:  # the same for the whole warp: mma stays converged
                         mt = unit // DQ_CHUNKS  # the unit's 16 queries: 16mt ..
-                        d0 = (unit % DQ_CHUNKS) * DQ_CHUNK  # ... and its columns d0 ..
+                        d0 = c0 + (unit % DQ_CHUNKS) * DQ_CHUNK  # ... and its columns d0 ..
                         for n in range(DQ_TILES):
                             for i in range(4):
                                 dQ[n, i] = ZERO
@@ -534,6 +622,8 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
                             if row < seqlen_q:
                                 addr = dq_cols + row * dq_row_bytes + 4 * d0
                                 for n in range(DQ_TILES):
+                                    if PADDED and d0 + 8 * n >= D:
+                                        continue  # head-dim padding: dq_accum has D columns
                                     if VECTOR_RED:
                                         I.red_add_f32x2(addr + n * TILE_BYTES, dQ[n, 2 * r], dQ[n, 2 * r + 1])
                                     else:
@@ -548,7 +638,9 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
             key = k_start + 16 * warp + g + 8 * r
             if key < seqlen_k:
                 for n in range(D_TILES):
-                    col = 8 * n + 2 * t
+                    if PADDED and c0 + 8 * n >= D:
+                        continue  # head-dim padding (D is a multiple of 8: a tile is data or padding)
+                    col = c0 + 8 * n + 2 * t
                     store_pair(dk, b, h, key, col, dK[n, 2 * r] * sc, dK[n, 2 * r + 1] * sc)
                     store_pair(dv, b, h, key, col, dV[n, 2 * r], dV[n, 2 * r + 1])
 
@@ -569,12 +661,20 @@ def dq_tc_kernel(cfg: TCBackwardConfig):
     """
     BLOCK_M, BLOCK_N, D = cfg.block_n, cfg.block_m, cfg.head_dim  # queries per block, keys per K_j tile
     PITCH = cfg.pitch
+    SLICES, SLICE = cfg.slices, cfg.slice_cols  # blocks per query tile, and the dQ columns of each
     off = shared_offsets(cfg, "dq")
     Q_OFF, DO_OFF, K_OFF, V_OFF = off["q"], off["do"], off["k"], off["v"]
     KV_STRIDE = BLOCK_N * PITCH  # elements from one K (or V) buffer to the other
-    K_STEPS = D // 16  # k-steps of S = Q Kᵀ and dP = dO Vᵀ
+    # S = Q Kᵀ and dP = dO Vᵀ: k-steps over the shared columns.  With one slice, the warp's Q_i and dO_i
+    # A-fragments of every k-step stay in registers; with several (a large head dim) they are re-read for
+    # each key tile, one slice's width of k-steps (a group) before that group's products.
+    HOLD = SLICES == 1
+    GROUP = cfg.d_pad // 16 if HOLD else SLICE // 16
+    GROUPS = SLICES
+    K_STEPS = GROUP * GROUPS
     N_TILES = BLOCK_N // 8  # 8-key column tiles of S, dP
-    D_TILES = D // 8  # 8-wide column tiles of dQ
+    D_TILES = SLICE // 8  # 8-wide column tiles of the block's slice of dQ
+    PADDED = cfg.d_smem > D  # some dQ columns are padding: not written
     N_STEPS = BLOCK_N // 16  # k-steps of dQ += dS K
     ZERO = numba.float32(0)
     u32 = numba.uint32
@@ -583,13 +683,19 @@ def dq_tc_kernel(cfg: TCBackwardConfig):
     store_pair = _make_pair_storer(cfg.input_kind)
     copy_q = _make_tile_copier(BLOCK_M, cfg)
     copy_kv = _make_tile_copier(BLOCK_N, cfg)
+    row_product = _make_row_product(GROUPS, GROUP, HOLD, N_TILES // 2, PITCH, mma_into)
 
     @kernel(fastmath=True)
     def flash_backward_dq_tc(q, k, v, do, lse2, delta, dq, qk_scale_log2, scale, causal):
         """One block: dQ_i for BLOCK_M (= cfg.block_n) queries of one (batch, head)."""
         seqlen_q = q.shape[2]
         seqlen_k = k.shape[2]
-        q_start = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BLOCK_M  # longest causal rows first
+        if SLICES == 1:
+            q_start = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BLOCK_M  # longest causal rows first
+            c0 = 0  # the block's first dQ column
+        else:
+            q_start = (cuda.gridDim.x // SLICES - 1 - cuda.blockIdx.x // SLICES) * BLOCK_M
+            c0 = (cuda.blockIdx.x % SLICES) * SLICE
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
         tid = numba.int64(u32(cuda.threadIdx.x))  # known ≥ 0: no sign fix-ups in // and % below
@@ -599,8 +705,8 @@ def dq_tc_kernel(cfg: TCBackwardConfig):
         t = lane % 4  # ... and columns 2t, 2t + 1 of every 8-column tile
         smem = cuda.shared.array(0, numba.uint16, alignment=SMEM_ALIGN)
 
-        qf = cuda.local.array((K_STEPS, 4), numba.uint32)  # Q_i A-fragments, one set per k-step
-        of = cuda.local.array((K_STEPS, 4), numba.uint32)  # dO_i A-fragments
+        qf = cuda.local.array((K_STEPS if HOLD else GROUP, 4), numba.uint32)  # Q_i A-fragments, one set per k-step
+        of = cuda.local.array((K_STEPS if HOLD else GROUP, 4), numba.uint32)  # dO_i A-fragments
         S = cuda.local.array((N_TILES, 4), numba.float32)  # S, then P
         dP = cuda.local.array((N_TILES, 4), numba.float32)  # dP, then dS
         dQ = cuda.local.array((D_TILES, 4), numba.float32)
@@ -627,6 +733,8 @@ def dq_tc_kernel(cfg: TCBackwardConfig):
 
         a_row, a_col = I.d_ldmatrix_x4_a_address(lane)  # Q, dO rows (A); K rows (.trans → B of dS K)
         bt_row, bt_col = I.d_ldmatrix_x4_bt_address(lane)  # K, V rows (→ B of S = Q Kᵀ, dP = dO Vᵀ)
+        q_row = Q_OFF + (16 * warp + a_row) * PITCH + a_col  # this lane's address in the warp's Q rows
+        do_row = DO_OFF + (16 * warp + a_row) * PITCH + a_col
 
         for j in range(n_tiles):
             k_start = j * BLOCK_N
@@ -641,14 +749,10 @@ def dq_tc_kernel(cfg: TCBackwardConfig):
                 copy_kv(smem, V_OFF + (1 - buf) * KV_STRIDE, v, b, h, k_start + BLOCK_N, seqlen_k, tid)
             I.cp_async_commit()
 
-            # The warp's 16 rows of Q_i and dO_i into registers, once.
-            if j == 0:
-                for kk in range(K_STEPS):
-                    fq = I.ldmatrix_x4(smem, Q_OFF + (16 * warp + a_row) * PITCH + 16 * kk + a_col)
-                    fo = I.ldmatrix_x4(smem, DO_OFF + (16 * warp + a_row) * PITCH + 16 * kk + a_col)
-                    for i in range(4):
-                        qf[kk, i] = fq[i]
-                        of[kk, i] = fo[i]
+            # The warp's 16 rows of Q_i and dO_i into registers, once (one slice: every k-step).
+            if HOLD and j == 0:
+                load_fragments(qf, smem, q_row, K_STEPS)
+                load_fragments(of, smem, do_row, K_STEPS)
 
             # S = Q_i K_jᵀ and dP = dO_i V_jᵀ (16 queries × BLOCK_N keys per warp).
             k_base = K_OFF + buf * KV_STRIDE
@@ -659,27 +763,8 @@ def dq_tc_kernel(cfg: TCBackwardConfig):
                     dP[n, i] = ZERO
             # Two loop nests, not one, k-steps outside: NVVM unrolls each of them fully (with the key tiles
             # outside, 128-key tiles at D = 64 and 64-key tiles at D = 128 stayed loops, S and dP in local memory).
-            for kk in range(K_STEPS):
-                for n2 in range(N_TILES // 2):
-                    kb = I.ldmatrix_x4(smem, k_base + (16 * n2 + bt_row) * PITCH + 16 * kk + bt_col)
-                    for half in range(2):
-                        mma_into(
-                            S, 2 * n2 + half, qf[kk, 0], qf[kk, 1], qf[kk, 2], qf[kk, 3], kb[2 * half], kb[2 * half + 1]
-                        )
-            for kk in range(K_STEPS):
-                for n2 in range(N_TILES // 2):
-                    vb = I.ldmatrix_x4(smem, v_base + (16 * n2 + bt_row) * PITCH + 16 * kk + bt_col)
-                    for half in range(2):
-                        mma_into(
-                            dP,
-                            2 * n2 + half,
-                            of[kk, 0],
-                            of[kk, 1],
-                            of[kk, 2],
-                            of[kk, 3],
-                            vb[2 * half],
-                            vb[2 * half + 1],
-                        )
+            row_product(S, qf, smem, q_row, k_base + bt_row * PITCH + bt_col)
+            row_product(dP, of, smem, do_row, v_base + bt_row * PITCH + bt_col)
 
             # P = exp2(S · scale · log2 e − lse2_row), invisible pairs 0; dS = P ∘ (dP − D_row), kept in dP.
             # Value i of tile n: query g + 8(i >> 1), key 8n + 2t + (i & 1).
@@ -707,7 +792,7 @@ def dq_tc_kernel(cfg: TCBackwardConfig):
                 sa2 = pack_pair(dP, 2 * kk + 1, 0)  # query g,     keys 8 + 2t, 8 + 2t + 1
                 sa3 = pack_pair(dP, 2 * kk + 1, 2)  # query g + 8, keys 8 + 2t, 8 + 2t + 1
                 for d2 in range(D_TILES // 2):
-                    kb = I.ldmatrix_x4_trans(smem, k_base + (16 * kk + a_row) * PITCH + 16 * d2 + a_col)
+                    kb = I.ldmatrix_x4_trans(smem, k_base + (16 * kk + a_row) * PITCH + c0 + 16 * d2 + a_col)
                     for half in range(2):
                         mma_into(dQ, 2 * d2 + half, sa0, sa1, sa2, sa3, kb[2 * half], kb[2 * half + 1])
 
@@ -719,7 +804,9 @@ def dq_tc_kernel(cfg: TCBackwardConfig):
             row = q_start + 16 * warp + g + 8 * r
             if row < seqlen_q:
                 for n in range(D_TILES):
-                    store_pair(dq, b, h, row, 8 * n + 2 * t, dQ[n, 2 * r] * sc, dQ[n, 2 * r + 1] * sc)
+                    if PADDED and c0 + 8 * n >= D:
+                        continue  # head-dim padding
+                    store_pair(dq, b, h, row, c0 + 8 * n + 2 * t, dQ[n, 2 * r] * sc, dQ[n, 2 * r + 1] * sc)
 
     return flash_backward_dq_tc
 
@@ -738,8 +825,9 @@ def choose_config(
     max_shared: int | None = None,
     atomic: bool = False,
 ) -> TCBackwardConfig:
-    """The configuration for a head dim (a multiple of 16 up to 128): 4 warps, 64 stationary rows; for the
-    atomic dQ route (``atomic=True``) above D = 64, FlashAttention-2's 8 warps and 128 keys per block.
+    """The configuration for a head dim (a multiple of 8 up to 256, padded to 16): 4 warps, 64 stationary rows;
+    for the atomic dQ route (``atomic=True``) above D = 64, FlashAttention-2's 8 warps and 128 keys per block;
+    above D = 128, slices of at most 128 gradient columns with 32-row streamed tiles.
 
     Chosen by the H200 tile sweep (``benchmarks/tc_backward.py --configs``,
     ``benchmarks/results/tc-backward-NVIDIA-H200-2026-11-30-tiles.json``; bf16, N = 1k/4k/16k,
@@ -772,6 +860,13 @@ def choose_config(
     the deterministic route.  Where a GPU allows less shared memory per
     block, the atomic route keeps the deterministic route's tiles.
 
+    Above a padded D of 128 (not tuned: correct, compiled without spills —
+    254 registers for the dK/dV kernel at D = 256): the head dim in as few
+    slices of at most 128 columns as cover it, 64 keys × 32 queries per
+    dK/dV block (141 KB of shared memory at D = 256; 32 × 16 and 69 KB where
+    a block gets less), for both dQ routes.  Head dims that are not
+    multiples of 16 take the tiles of the padded one.
+
     In the simulator: 2 warps (32 keys) and 16-query tiles, so that short
     sequences cross tile edges with few Python threads; D = 32 there takes the
     ldmatrix path, other head dims the register path.
@@ -794,13 +889,27 @@ def _choose_config(
     atomic: bool = False,
 ) -> TCBackwardConfig:
     vector_red = cc is not None and cc >= (9, 0)
-    if simulator:
-        return TCBackwardConfig(16, 32, head_dim, input_kind, kv_in_registers=head_dim != 32, vector_red=vector_red)
-    if head_dim % 16 or not 0 < head_dim <= 128:
+    if head_dim % 8 or not 0 < head_dim <= 256:
         raise ValueError(
-            f"the tensor-core backward supports head dims that are multiples of 16 up to 128, got {head_dim}"
+            f"the tensor-core backward supports head dims that are multiples of 8 up to 256, got {head_dim}"
         )
-    if atomic and head_dim > 64:
+    d_pad = -(-head_dim // 16) * 16
+    slices = -(-d_pad // 128)  # blocks per row tile: the gradient columns of a block at most 128
+    d_slice = 0 if slices == 1 else -(-d_pad // (16 * slices)) * 16
+    if simulator:
+        return TCBackwardConfig(16, 32, head_dim, input_kind, kv_in_registers=head_dim != 32 and slices == 1,
+                                vector_red=vector_red, d_slice=d_slice)
+    if slices > 1:
+        # D > 128: 32-row streamed tiles keep the slice's dK, dV (128 registers at a 128-column slice), Sᵀ and dPᵀ
+        # and one group of fragments within 255 registers: 64 keys × 32 queries, 141 KB of shared memory at
+        # D = 256 (the atomic route's; 32 × 16 and 69 KB where a block gets less).
+        for m, n in ((32, 64), (16, 32)):
+            cfg = TCBackwardConfig(m, n, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red,
+                                   d_slice=d_slice)
+            if max_shared is None or max(shared_bytes(cfg, name) for name in KERNELS) <= max_shared:
+                break
+        return cfg
+    if atomic and d_pad > 64:
         cfg = TCBackwardConfig(64, 128, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red)
         if max_shared is None or shared_bytes(cfg, "dkdv_atomic") <= max_shared:
             return cfg
@@ -891,7 +1000,7 @@ def launch_backward_tc(
     name = "dkdv" if deterministic else "dkdv_atomic"
     launch(
         dkdv_tc_kernel(cfg, not deterministic),
-        (-(-seqlen_k // cfg.block_n), heads, batch),
+        (-(-seqlen_k // cfg.block_n) * cfg.slices, heads, batch),
         (cfg.threads, 1, 1),
         stream,
         shared_bytes(cfg, name),
@@ -900,7 +1009,7 @@ def launch_backward_tc(
     if deterministic:
         launch(
             dq_tc_kernel(cfg),
-            (-(-seqlen_q // cfg.block_n), heads, batch),
+            (-(-seqlen_q // cfg.block_n) * cfg.slices, heads, batch),
             (cfg.threads, 1, 1),
             stream,
             shared_bytes(cfg, "dq"),
@@ -933,7 +1042,7 @@ def compile_targets(cc: tuple[int, int] = (9, 0)):
     Steps 0 and 2' are the SIMT kernels of :mod:`nbflash.backward`, covered by its own compile targets.
     """
     targets = []
-    for d in (32, 64, 96, 128):
+    for d in (32, 40, 64, 96, 128, 256):
         for kind in ("float16", "bfloat16"):
             # Hopper's limit: the largest tiles; the atomic route's own where it has them (above D = 64)
             cfg, atomic = (choose_config(d, kind, simulator=False, cc=cc, max_shared=227 * 1024, atomic=a)

@@ -139,6 +139,8 @@ CASES = [
     ("float16", False, False, 1, 1, 16, "bhsd"),  # one query, one key
     ("bfloat16", True, True, 45, 13, 16, "bhsd"),  # whole query tiles see no key
     ("float16", False, False, 19, 21, 48, "bhsd"),  # atomic dQ of D = 48 in three 16-column units
+    ("float16", True, True, 19, 21, 40, "bshd"),  # D = 40 padded to 48 in shared memory: columns 40..47 not written
+    ("bfloat16", False, False, 21, 19, 8, "bhsd"),  # D = 8: half of every k-step is padding
 ]
 
 
@@ -242,10 +244,46 @@ def test_backward_tc_eight_warps(xp, rng, deterministic):
     check_against_reference(got, values, scale, True, "bfloat16")
 
 
+# (kind, deterministic, causal, seqlen_q, seqlen_k, head dim, d_slice): the head dim cut into slices of gradient
+# columns, one block each, as at D > 128 on the GPU; the last slice may run past the padded head dim.
+SLICED = [
+    ("bfloat16", True, True, 21, 19, 24, 16),  # two slices of 16: padded 32, columns 24..31 not written
+    ("float16", False, True, 21, 19, 40, 16),  # three slices, atomic dQ per slice
+    ("float16", True, False, 19, 22, 40, 32),  # two slices of 32 over 64 shared columns (48 padded)
+]
+
+
+@pytest.mark.parametrize("kind,deterministic,causal,n_q,n_k,d,d_slice", SLICED,
+                         ids=[f"{c[0]}-{'det' if c[1] else 'atomic'}-{'causal' if c[2] else 'full'}-{c[3]}x{c[4]}"
+                              f"-D{c[5]}-slice{c[6]}" for c in SLICED])
+def test_backward_tc_head_dim_slices(xp, rng, kind, deterministic, causal, n_q, n_k, d, d_slice):
+    cfg = dataclasses.replace(T.choose_config(d, kind), d_slice=d_slice, kv_in_registers=False)
+    assert cfg.slices > 1 and cfg.d_smem >= cfg.d_pad
+    got, values, scale = run_backward(xp, rng, n_q, n_k, d, kind, causal, deterministic, cfg=cfg)
+    check_against_reference(got, values, scale, causal, kind)
+
+
 def test_config_and_can_implement():
-    for bad in (dict(block_n=48), dict(block_m=24), dict(head_dim=72), dict(head_dim=144), dict(input_kind="float32")):
+    for bad in (dict(block_n=48), dict(block_m=24), dict(head_dim=36), dict(head_dim=264), dict(d_slice=24),
+                dict(d_slice=144), dict(input_kind="float32")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             T.TCBackwardConfig(**{**dict(block_m=16, block_n=32, head_dim=64, input_kind="float16"), **bad})
+    with pytest.raises(ValueError, match="needs d_slice"):  # more than 128 gradient columns per block
+        T.TCBackwardConfig(16, 32, 144, "float16", kv_in_registers=False)
+    with pytest.raises(ValueError, match="one slice"):
+        T.TCBackwardConfig(16, 32, 144, "float16", kv_in_registers=True, d_slice=80)
+    # Head dims above 128: slices of at most 128 columns; 32-query tiles (64 × 32 where shared memory allows).
+    for d, want in ((136, (80, 2)), (160, (80, 2)), (200, (112, 2)), (256, (128, 2))):
+        big = T.choose_config(d, "bfloat16", simulator=False, cc=(9, 0), max_shared=227 * 1024)
+        assert (big.d_slice, big.slices, big.block_m, big.block_n) == (*want, 32, 64), big
+    big = T.choose_config(256, "bfloat16", simulator=False, cc=(9, 0), max_shared=227 * 1024)
+    assert [T.shared_bytes(big, n) for n in T.KERNELS] == [135680, 140800, 135168]  # rows of 256 + 8 elements
+    small = T.choose_config(256, "bfloat16", simulator=False, cc=(8, 6), max_shared=99 * 1024)
+    assert (small.block_m, small.block_n) == (16, 32) and T.shared_bytes(small, "dkdv_atomic") <= 99 * 1024
+    assert T.choose_config(40, "float16", simulator=False).d_smem == 48  # padded to the mma's k
+    for bad_d in (36, 264):
+        with pytest.raises(ValueError, match="multiples of 8 up to 256"):
+            T.choose_config(bad_d, "float16", simulator=False)
     cfg = T.TCBackwardConfig(16, 32, 64, "float16")
     ok_array = np.zeros((1, 1, 8, 64), dtype=np.float16)
     assert T.can_implement(cfg, ok_array, ok_array, ok_array, ok_array) == (True, "")
@@ -297,7 +335,8 @@ for i, (cc, (name, cfg, kern, sig, fastmath)) in enumerate(jobs):
         continue
     ptx = compile_ptx_offline(kern.py_func, sig, cc=divmod(cc, 10), fastmath=fastmath)
     info = ptxas_info(ptx, f"sm_{cc}")
-    print(json.dumps(dict(kernel=name, sm=cc, head_dim=cfg.head_dim, kind=cfg.input_kind,
+    print(json.dumps(dict(kernel=name, sm=cc, head_dim=cfg.head_dim, d_pad=cfg.d_pad, slice_cols=cfg.slice_cols,
+                          kind=cfg.input_kind,
                           block_m=cfg.block_m, block_n=cfg.block_n, vector_red=cfg.vector_red,
                           local=len(re.findall(r"\b(?:ld|st)\.local\b", ptx)),
                           regs=info["registers"], spill_bytes=info["spill_bytes"],
@@ -335,10 +374,13 @@ def test_backward_tc_compiles_for_sm80_sm90_in_registers():
         assert row["local"] == 0, row  # every register array really is in registers
         assert row["spill_bytes"] == 0, row
         assert row["regs"] <= 255, row
-        d = row["head_dim"]
-        if row["kernel"] == "flash_backward_dq_tc":  # fully unrolled: S, dP and dQ, every 16×8×16 piece
+        d, d_pad, cols = row["head_dim"], row["d_pad"], row["slice_cols"]
+        if row["kernel"] == "flash_backward_dq_tc":  # unrolled: S, dP and dQ, every 16×8×16 piece
             keys = row["block_m"]
-            assert row["mma"] == 2 * (keys // 8) * (d // 16) + (d // 8) * (keys // 16), row
+            if cols == d_pad:  # one slice: every k-step; no product for a dQ tile of padding (never stored)
+                assert row["mma"] == 2 * (keys // 8) * (d_pad // 16) + (-(-d // 8)) * (keys // 16), row
+            else:  # slices: each group of k-steps (one slice wide) unrolled, the loop over groups kept
+                assert row["mma"] == 2 * (keys // 8) * (cols // 16) + (cols // 8) * (keys // 16), row
         # Atomic dQ by global reductions only (no generic-address atom): v2 pairs on sm_90, scalars on sm_80.
         assert row["atom"] == 0, row
         assert row["vector_red"] == (row["sm"] >= 90), row

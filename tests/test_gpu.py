@@ -103,3 +103,36 @@ def test_dynamic_shared_memory_limit_was_raised():
     nbflash.attention(q, q, q)
     limits = max_dynamic_shared(forward_kernel(cfg))
     assert limits and all(limit >= shared_bytes(cfg) for limit in limits)
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize(
+    "n_q,n_k,d,causal",
+    [(97, 97, 40, True), (200, 131, 96, False), (1025, 1025, 160, True), (128, 200, 256, False),
+     (1025, 1025, 256, True), (2048, 2048, 72, True)],
+)
+def test_tensor_core_backward_every_head_dim(dtype_name, n_q, n_k, d, causal):
+    """The mma.sync backward forced (``backend="tensor_core"``) at head dims that are not multiples of 16
+    (padded inside) and above 128 (cut into 128-column slices), through the torch bridge and autograd:
+    output and every gradient within the flash-attn 2× rule against float64."""
+    import torch
+
+    import nbflash.torch as nt
+
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator(device="cuda").manual_seed(n_q * 1000 + d)
+    q, k, v = (torch.randn(2, 3, n, d, device="cuda", generator=gen).to(dtype) for n in (n_q, n_k, n_k))
+    do = torch.randn(2, 3, n_q, d, device="cuda", generator=gen).to(dtype)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    o = nt.attention(*leaves, causal=causal, backend="tensor_core")
+    o.backward(do)
+    got = (o.detach(), *(x.grad for x in leaves))
+    for x, x0 in zip(leaves, (q, k, v), strict=True):
+        assert torch.equal(x.detach(), x0), "an input was modified"
+    ref = _torch_ref(*(x.clone() for x in (q, k, v, do)), causal, torch.float64)
+    naive = _torch_ref(*(x.clone() for x in (q, k, v, do)), causal, dtype)
+    for name, g, r, nv in zip(("o", "dq", "dk", "dv"), got, ref, naive, strict=True):
+        assert torch.isfinite(g).all(), f"{name}: not finite"
+        err = float((g.double() - r).abs().max())
+        bound = 2 * float((nv - r).abs().max()) + 1e-4
+        assert err <= bound, f"D={d} {name}: error {err:.2e} > 2 × naive {dtype_name} ({bound:.2e})"
