@@ -106,7 +106,8 @@ D, or every slice whole), every row padded by 8 elements (16 bytes) so that
     D=128 (64 × 64 tiles):          dK/dV 105 472 bytes (atomic 114 688), dQ 104 448
     D=128 (64 keys × 32 queries, where a block gets less than that): 70 144 (75 264), 69 632
     D=128 (128 keys × 64 queries, the atomic route's 8 warps):       atomic 158 720
-    D=256 (64 keys × 32 queries, two slices of 128):  dK/dV 135 680 (atomic 140 800), dQ 135 168
+    D=256 (128 keys × 32 queries, two slices of 128): dK/dV 203 264 (atomic 213 504), dQ 202 752
+    D=256 (64 keys × 32 queries, where a block gets less):              135 680 (140 800), 135 168
 
 Status: correct in the Numba simulator (tests/test_backward_tc.py) and
 compiles for sm_80/sm_90 with no local memory and no spills.  The H200 run
@@ -860,12 +861,17 @@ def choose_config(
     the deterministic route.  Where a GPU allows less shared memory per
     block, the atomic route keeps the deterministic route's tiles.
 
-    Above a padded D of 128 (not tuned: correct, compiled without spills —
-    254 registers for the dK/dV kernel at D = 256): the head dim in as few
-    slices of at most 128 columns as cover it, 64 keys × 32 queries per
-    dK/dV block (141 KB of shared memory at D = 256; 32 × 16 and 69 KB where
-    a block gets less), for both dQ routes.  Head dims that are not
-    multiples of 16 take the tiles of the padded one.
+    Above a padded D of 128: the head dim in as few slices of at most 128
+    columns as cover it, and 128 keys × 32 queries per dK/dV block (8 warps;
+    208 KB of shared memory at D = 256), for both dQ routes.  Measured at
+    D = 256 (``tc-backward-NVIDIA-H200-2026-12-01-d256.json``, bf16, N = 1k /
+    4k / 16k non-causal, TFLOP/s): 101 / 112 / 116 deterministic and 131 /
+    157 / 166 atomic, against 74 / 81 / 82 and 98 / 113 / 116 for 64 × 32
+    tiles and 43–81 for 64-column slices (four per key tile); SDPA's
+    FlashAttention-2 202 / 247 / 261 (the slices redo Sᵀ and dPᵀ: 1.5× the
+    matrix work).  Where a block gets less shared memory: 64 × 32 (141 KB),
+    then 32 × 16 (69 KB).  Head dims that are not multiples of 16 take the
+    tiles of the padded one.
 
     In the simulator: 2 warps (32 keys) and 16-query tiles, so that short
     sequences cross tile edges with few Python threads; D = 32 there takes the
@@ -901,9 +907,9 @@ def _choose_config(
                                 vector_red=vector_red, d_slice=d_slice)
     if slices > 1:
         # D > 128: 32-row streamed tiles keep the slice's dK, dV (128 registers at a 128-column slice), Sᵀ and dPᵀ
-        # and one group of fragments within 255 registers: 64 keys × 32 queries, 141 KB of shared memory at
-        # D = 256 (the atomic route's; 32 × 16 and 69 KB where a block gets less).
-        for m, n in ((32, 64), (16, 32)):
+        # and one group of fragments within 255 registers (238).  8 warps, 128 keys × 32 queries (208 KB of
+        # shared memory at D = 256, the atomic route's), where the GPU allows it; else 64 × 32 (141 KB), 32 × 16.
+        for m, n in ((32, 128), (32, 64), (16, 32)):
             cfg = TCBackwardConfig(m, n, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red,
                                    d_slice=d_slice)
             if max_shared is None or max(shared_bytes(cfg, name) for name in KERNELS) <= max_shared:

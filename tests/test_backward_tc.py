@@ -272,12 +272,16 @@ def test_config_and_can_implement():
         T.TCBackwardConfig(16, 32, 144, "float16", kv_in_registers=False)
     with pytest.raises(ValueError, match="one slice"):
         T.TCBackwardConfig(16, 32, 144, "float16", kv_in_registers=True, d_slice=80)
-    # Head dims above 128: slices of at most 128 columns; 32-query tiles (64 × 32 where shared memory allows).
+    # Head dims above 128: slices of at most 128 columns; 32-query tiles of 128 keys (8 warps) where shared memory
+    # allows, else of 64 keys (A100: 163 KB), else 16 × 32.
     for d, want in ((136, (80, 2)), (160, (80, 2)), (200, (112, 2)), (256, (128, 2))):
         big = T.choose_config(d, "bfloat16", simulator=False, cc=(9, 0), max_shared=227 * 1024)
-        assert (big.d_slice, big.slices, big.block_m, big.block_n) == (*want, 32, 64), big
+        assert (big.d_slice, big.slices, big.block_m, big.block_n) == (*want, 32, 128), big
     big = T.choose_config(256, "bfloat16", simulator=False, cc=(9, 0), max_shared=227 * 1024)
-    assert [T.shared_bytes(big, n) for n in T.KERNELS] == [135680, 140800, 135168]  # rows of 256 + 8 elements
+    assert [T.shared_bytes(big, n) for n in T.KERNELS] == [203264, 213504, 202752]  # rows of 256 + 8 elements
+    a100 = T.choose_config(256, "bfloat16", simulator=False, cc=(8, 0), max_shared=163 * 1024)
+    assert (a100.block_m, a100.block_n) == (32, 64)
+    assert [T.shared_bytes(a100, n) for n in T.KERNELS] == [135680, 140800, 135168]
     small = T.choose_config(256, "bfloat16", simulator=False, cc=(8, 6), max_shared=99 * 1024)
     assert (small.block_m, small.block_n) == (16, 32) and T.shared_bytes(small, "dkdv_atomic") <= 99 * 1024
     assert T.choose_config(40, "float16", simulator=False).d_smem == 48  # padded to the mma's k
