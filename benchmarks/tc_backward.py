@@ -487,6 +487,7 @@ def main():
                     routes = [("nb-tc", False, "tensor_core"), ("nb-tc-det", True, "tensor_core")]
                     if (True, "wgmma") in ROUTES:
                         routes += [("nb-wgmma", True, "wgmma"), ("nb-wgmma-atomic", False, "wgmma")]
+                    routes += [("nb-auto", None, "auto")]  # what a call with no options runs (deterministic=None)
                     routes += [] if args.no_simt else [("nb-simt", False, "simt")]
                     for name, det, backend in routes:
 
