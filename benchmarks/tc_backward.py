@@ -18,7 +18,7 @@ Tile sweep (``--configs 64x64r,128x128r,64x128,wg128x64s23``): candidate
 configurations of :mod:`nbflash.backward_tc`, by tag ``<block_m>x<block_n>``
 plus ``r`` when each warp keeps its K/V fragments in registers and ``d<columns>``
 for the gradient columns per block (``TCBackwardConfig.d_slice``; needed above
-D = 128, e.g. ``32x64d64@256``), and of
+D = 128, e.g. ``32x64d64@256``; also after a ``wg`` tag), and of
 :mod:`nbflash.backward_wgmma` by ``wg<block_m>x<block_n>`` plus, optionally,
 ``s<dK/dV buffers><dQ buffers>`` (``s23``: two buffers per streamed tile in the
 dK/dV kernel, three in the dQ kernel; default two and two).  ``@64`` after a
@@ -156,7 +156,8 @@ def tag(cfg) -> str:
     backward's block_m × block_n."""
     if is_wgmma(cfg):
         stages = "" if cfg.stages == 2 else f"s{cfg.dkdv_stages}{cfg.dq_stages}"
-        return f"wg{cfg.block_m}x{cfg.block_n}{stages}"
+        cols = f"d{cfg.d_slice}" if cfg.d_slice else ""
+        return f"wg{cfg.block_m}x{cfg.block_n}{stages}{cols}"
     cols = f"d{cfg.d_slice}" if cfg.d_slice else ""
     return f"{cfg.block_m}x{cfg.block_n}{'r' if cfg.kv_in_registers else ''}{cols}"
 
@@ -170,11 +171,11 @@ def parse_configs(spec: str, dims, kinds) -> list[T.TCBackwardConfig]:
     parsed = []
     for t in tags:
         m = TAG.fullmatch(t)
-        if not m or (m[1] and (m[4] or m[7])) or (m[5] and not m[1]):
+        if not m or (m[1] and m[4]) or (m[5] and not m[1]):
             raise ValueError(
                 f"bad config tag {t!r}: expected <block_m>x<block_n>[r][d<columns>][@<head dim>] or "
-                "wg<block_m>x<block_n>[s<dK/dV stages><dQ stages>][@<head dim>], e.g. 64x128r, 32x64d64@256 "
-                "or wg128x64s23@128"
+                "wg<block_m>x<block_n>[s<dK/dV stages><dQ stages>][d<columns>][@<head dim>], e.g. 64x128r, "
+                "32x64d64@256, wg128x64s23@128 or wg64x64d128@256"
             )
         stages = (int(m[5]), int(m[6])) if m[5] else (2, 2)
         parsed.append((bool(m[1]), int(m[2]), int(m[3]), m[4] == "r", stages, int(m[7] or 0),
@@ -188,7 +189,8 @@ def parse_configs(spec: str, dims, kinds) -> list[T.TCBackwardConfig]:
                 if only is not None and only != d:
                     continue
                 if wg:
-                    cfg = W.WGBackwardConfig(bm, bn, d, kind, dkdv_stages=stages[0], dq_stages=stages[1])
+                    cfg = W.WGBackwardConfig(bm, bn, d, kind, dkdv_stages=stages[0], dq_stages=stages[1],
+                                             d_slice=cols)
                 else:
                     cfg = T.TCBackwardConfig(bm, bn, d, kind, kv_in_registers=regs, vector_red=default.vector_red,
                                              d_slice=cols)

@@ -352,7 +352,9 @@ def attention_backward(
             to 256 on an sm_80+ GPU; the SIMT one otherwise), ``"simt"`` or
             ``"tensor_core"``, or ``"wgmma"`` (Hopper's warpgroup kernels,
             :mod:`nbflash.backward_wgmma`; compute capability 9.x, head dims
-            that are multiples of 8 up to 128); independent of the forward's backend
+            that are multiples of 8 up to 256 — above 128 in slices of 128
+            gradient columns, not yet timed, so ``"auto"`` keeps the
+            ``mma.sync`` backward there); independent of the forward's backend
             (both read and write the same ``o`` and ``lse``).
 
     Returns:
@@ -448,7 +450,8 @@ def plan_backward(head_dim: int, input_kind: str, scale: float, do, q, k, v, o, 
     why, cfg = "", None
     if input_kind not in ("float16", "bfloat16"):
         why = f"the tensor cores take float16 and bfloat16, not {input_kind}"
-    elif backend == "auto" and (compute_capability() or (0, 0))[0] == 9 and _bwd_wg.takes_head_dim(head_dim):
+    elif (backend == "auto" and (compute_capability() or (0, 0))[0] == 9 and _bwd_wg.takes_head_dim(head_dim)
+          and head_dim <= _bwd_wg.AUTO_MAX_HEAD_DIM):
         wg = _bwd_wg.choose_config(head_dim, input_kind)
         if _bwd_wg.can_implement(wg, do, q, k, v, o)[0]:
             return Plan("wgmma", wg, "float16/bfloat16 on sm_90: Hopper's wgmma")

@@ -88,8 +88,12 @@ The warpgroup index is made warp-uniform to ptxas
 (:func:`~nbflash._device.warp_uniform`), which otherwise serialises the wgmmas.
 
 Requires sm_90a.  Constraints (:func:`can_implement`): D a multiple of 8 up
-to 128 (padded to whole 64-column panels in shared memory); rows whole,
-16-byte-aligned chunks.
+to 256 (padded to whole 64-column panels in shared memory); rows whole,
+16-byte-aligned chunks.  Above D = 128 the head dim is cut into slices of 128
+gradient columns, one block each (``WGBackwardConfig.d_slice``), as in
+:mod:`nbflash.backward_tc`: every block issues Sᵀ and dPᵀ over the whole head
+dim and dV, dK (dQ) for its own panels only, B read N-major from the slice's
+first panel.
 
 Status (H200, ``tc-backward-NVIDIA-H200-2026-11-30-wgmma-defaults.json``,
 631e5e7, fp16/bf16, N = 1k … 16k, causal and not): D = 128 229 / 302 / 321
@@ -153,21 +157,28 @@ class WGBackwardConfig:
 
     block_m: int  # 64 or 128
     block_n: int  # a wgmma N: 16 ... 128
-    head_dim: int  # a multiple of 8 up to 128
+    head_dim: int  # a multiple of 8 up to 256 (whole 64-column panels inside)
     input_kind: str  # "float16" or "bfloat16"
     #: buffers of each streamed tile, per kernel: 2 (each tile's gradient products waited for before the
     #: next tile's barrier) or 3 (left in flight across it: the barrier refills the buffer read two tiles
     #: ago; the accumulators then cross tiles, which costs registers)
     dkdv_stages: int = 2
     dq_stages: int = 2
+    #: gradient columns per block, 64 or 128 (0: the whole padded head dim): above 128 the head dim is cut
+    #: into slices, one block each, as in :mod:`nbflash.backward_tc` (each recomputes Sᵀ and dPᵀ over all of D)
+    d_slice: int = 0
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
             raise ValueError(f"block_m must be 64 or 128 (64 rows per warpgroup), got {self.block_m}")
         if self.block_n not in (16, 32, 64, 128):
             raise ValueError(f"block_n must be 16, 32, 64 or 128 (a wgmma N), got {self.block_n}")
-        if self.head_dim <= 0 or self.head_dim % 8 or self.head_dim > 128:
-            raise ValueError(f"head_dim must be a multiple of 8 up to 128 for the wgmma backward, got {self.head_dim}")
+        if self.head_dim <= 0 or self.head_dim % 8 or self.head_dim > 256:
+            raise ValueError(f"head_dim must be a multiple of 8 up to 256 for the wgmma backward, got {self.head_dim}")
+        if self.d_slice not in (0, PANEL, 2 * PANEL):
+            raise ValueError(f"d_slice must be 0, {PANEL} or {2 * PANEL} (whole panels, a wgmma N), got {self.d_slice}")
+        if not self.d_slice and self.d_pad > 2 * PANEL:
+            raise ValueError(f"a padded head dim of {self.d_pad} needs d_slice (at most 128 gradient columns a block)")
         if self.input_kind not in ("float16", "bfloat16"):
             raise ValueError(f"input_kind must be 'float16' or 'bfloat16', got {self.input_kind!r}")
         for name in ("dkdv_stages", "dq_stages"):
@@ -188,13 +199,28 @@ class WGBackwardConfig:
         """D rounded up to whole 64-column panels; the padding is zero in shared memory."""
         return -(-self.head_dim // PANEL) * PANEL
 
+    @property
+    def slice_cols(self) -> int:
+        """Gradient columns of one block (whole panels)."""
+        return self.d_slice or self.d_pad
+
+    @property
+    def slices(self) -> int:
+        """Blocks per tile of owned rows, one per slice of the head dim."""
+        return -(-self.d_pad // self.slice_cols)
+
+    @property
+    def d_smem(self) -> int:
+        """Columns of the shared tiles: every slice whole (past d_pad, whole zero panels)."""
+        return self.slices * self.slice_cols
+
 
 def shared_offsets(cfg: WGBackwardConfig) -> tuple[int, int, int, int, int, int]:
     """16-bit element offsets of the two once-copied tiles (the first at 0: K, V or Q, dO), of the two
     streamed tiles' buffers (``stages`` each), of the streamed rows' lse2 and D (float32, two buffers of
     ``[lse2 × BLOCK_N, D × BLOCK_N]``; the dK/dV kernel's), and the end; both kernels share the layout."""
-    own = cfg.block_m * cfg.d_pad
-    stream = cfg.block_n * cfg.d_pad
+    own = cfg.block_m * cfg.d_smem
+    stream = cfg.block_n * cfg.d_smem
     a1, s0 = own, 2 * own
     s1 = s0 + cfg.stages * stream
     cols = s1 + cfg.stages * stream
@@ -219,19 +245,20 @@ class _Consts:
 
     def __init__(self, cfg: WGBackwardConfig):
         self.BLOCK_M, self.BLOCK_N, self.D, self.D_PAD = cfg.block_m, cfg.block_n, cfg.head_dim, cfg.d_pad
+        self.SLICES, self.SLICE, self.D_SMEM = cfg.slices, cfg.slice_cols, cfg.d_smem
         self.THREADS, self.DKDV_STAGES, self.DQ_STAGES = cfg.threads, cfg.dkdv_stages, cfg.dq_stages
         _, self.A1, self.S0, self.S1, cols, _ = shared_offsets(cfg)
         self.COLS_F = cols // 2  # float32 offset of the lse2 / D buffers
-        self.STRIDE = cfg.block_n * cfg.d_pad  # elements from one streamed buffer to the other
+        self.STRIDE = cfg.block_n * cfg.d_smem  # elements from one streamed buffer to the other
         self.N_TILES = cfg.block_n // 8  # 8-column tiles of the shared × shared products
-        self.D_TILES = cfg.d_pad // 8  # 8-column tiles of the gradients
-        self.K_STEPS = cfg.d_pad // 16  # k-steps of the shared × shared products
+        self.D_TILES = self.SLICE // 8  # 8-column tiles of the block's slice of the gradients
+        self.K_STEPS = cfg.d_pad // 16  # k-steps of the shared × shared products (the data panels only)
         self.N_STEPS = cfg.block_n // 16  # k-steps of the registers × shared products
         self.OWN_PANEL, self.STREAM_PANEL = cfg.block_m * PANEL * 2, cfg.block_n * PANEL * 2  # bytes per panel
         self.kind = kind = "f16" if cfg.input_kind == "float16" else "bf16"
         # shared (own tile) × shared (streamed tile), both K-major; registers × shared (streamed, N-major)
         self.ss = ss_product(cfg.block_n, kind, self.K_STEPS, self.OWN_PANEL, self.STREAM_PANEL)
-        self.rs = rs_product(cfg.d_pad, kind, self.N_STEPS)
+        self.rs = rs_product(self.SLICE, kind, self.N_STEPS)  # the block's slice of dV, dK or dQ
         self.SMEM_ALIGN = None if SIMULATOR else 1024
 
 
@@ -241,9 +268,10 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
     if atomic_dq and not takes_atomic(cfg):
         raise ValueError(_atomic_refusal(cfg))
     c = _Consts(cfg)
-    BLOCK_M, BLOCK_N, D, D_PAD, THREADS = c.BLOCK_M, c.BLOCK_N, c.D, c.D_PAD, c.THREADS
+    BLOCK_M, BLOCK_N, D, THREADS = c.BLOCK_M, c.BLOCK_N, c.D, c.THREADS
     V_OFF, Q_OFF, DO_OFF, STRIDE, STAGES = c.A1, c.S0, c.S1, c.STRIDE, c.DKDV_STAGES
     N_TILES, D_TILES, N_STEPS = c.N_TILES, c.D_TILES, c.N_STEPS
+    SLICES, SLICE, D_SMEM = c.SLICES, c.SLICE, c.D_SMEM
     STREAM_PANEL, SMEM_ALIGN = c.STREAM_PANEL, c.SMEM_ALIGN
     ss_prod, rs_prod = c.ss, c.rs
     SW128, SBO = HW.SWIZZLE_128B, 1024
@@ -252,15 +280,15 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
     u32, u64 = numba.uint32, numba.uint64
     p_frags = fragment_steps(N_TILES, D_TILES, D, cfg.input_kind)[3]
     store_pair = _make_pair_storer(cfg.input_kind)
-    load_own = swizzled_tile_loader(BLOCK_M, THREADS, D)
-    load_stream = swizzled_tile_loader(BLOCK_N, THREADS, D)
+    load_own = swizzled_tile_loader(BLOCK_M, THREADS, D, D_SMEM)
+    load_stream = swizzled_tile_loader(BLOCK_N, THREADS, D, D_SMEM)
 
     COLS_F, COL_BUF = c.COLS_F, 2 * BLOCK_N  # lse2 / D buffers: float32 offset, floats per buffer
     # Step 1e (atomic dQ): the shared dSᵀ tile, and which columns of dQ_i each warpgroup computes — half of the
-    # padded head dim each when that is whole 64-column panels, else all of it by warpgroup 0.
+    # block's slice each when that is whole 64-column panels, else all of it by warpgroup 0.
     ATOMIC_DQ, DS_OFF, DS_PITCH = atomic_dq, shared_offsets(cfg)[-1], ds_pitch(cfg)
     WARPGROUPS = BLOCK_M // 64
-    DQ_N = D_PAD // WARPGROUPS if (D_PAD // WARPGROUPS) % PANEL == 0 else D_PAD
+    DQ_N = SLICE // WARPGROUPS if (SLICE // WARPGROUPS) % PANEL == 0 else SLICE
     DQ_TILES, DQ_M_CHUNKS, M_STEPS = DQ_N // 8, BLOCK_N // 64, BLOCK_M // 16
     OWN_PANEL = c.OWN_PANEL
     dq_prod = rs_product(DQ_N, c.kind, M_STEPS)
@@ -281,7 +309,12 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
         """One block: dK_j and dV_j for BLOCK_M keys of one (batch, head) (and, atomic route, their share of dQ)."""
         seqlen_q = q.shape[2]
         seqlen_k = k.shape[2]
-        k_start = cuda.blockIdx.x * BLOCK_M  # the first key tiles have the most causal queries: they start first
+        if SLICES == 1:
+            k_start = cuda.blockIdx.x * BLOCK_M  # the first key tiles have the most causal queries: they start first
+            c0 = 0  # the block's first gradient column
+        else:
+            k_start = (cuda.blockIdx.x // SLICES) * BLOCK_M  # (the slices of a key tile side by side)
+            c0 = (cuda.blockIdx.x % SLICES) * SLICE
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
         tid = numba.int64(u32(cuda.threadIdx.x))
@@ -309,7 +342,8 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
                 dV[n, i] = ZERO
         # Step 1e: warpgroup wg adds columns dq_col0 .. dq_col0 + DQ_N - 1 of dQ_i (none when it has no share);
         # its warp v reads queries 16v .. 16v + 15 of each 64-query chunk (the A rows of a wgmma).
-        dq_col0 = wg * DQ_N
+        dq_share = wg * DQ_N < SLICE  # warp-uniform: this warpgroup has a share of the slice's columns
+        dq_col0 = c0 + wg * DQ_N
         dq_base = I.global_address(dq_accum, (b, h, 0, 2 * t)) if ATOMIC_DQ else numba.int64(0)
         dq_row_bytes = dq_accum.strides[2]
         bt_row, bt_col = I.d_ldmatrix_x4_bt_address(lane)  # ldmatrix.trans of dSᵀ rows → dS A fragments
@@ -317,16 +351,19 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
                                        SW128)  # K_j read N-major (dQ += dS K_j), from this warpgroup's panel
         # 2 stages: dK_j, dV_j live in the arrays between tiles.  3 stages: the products are still running
         # when a tile ends, so the accumulators themselves cross into the next tile (more registers).
-        dv_t = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(D_PAD))
-        dk_t = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(D_PAD))
+        dv_t = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(SLICE))
+        dk_t = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(SLICE))
         scale_log2 = numba.float32(qk_scale_log2)
 
         k_desc = HW.d_make_smem_desc(HW.smem_address(smem, 64 * PANEL * wg), 16, SBO, SW128)
         v_desc = HW.d_make_smem_desc(HW.smem_address(smem, V_OFF + 64 * PANEL * wg), 16, SBO, SW128)
         q_desc = HW.d_make_smem_desc(HW.smem_address(smem, Q_OFF), 16, SBO, SW128)  # K-major (Sᵀ = K Qᵀ)
         do_desc = HW.d_make_smem_desc(HW.smem_address(smem, DO_OFF), 16, SBO, SW128)
-        q_desc_n = HW.d_make_smem_desc(HW.smem_address(smem, Q_OFF), STREAM_PANEL, SBO, SW128)  # N-major (dSᵀ Q)
-        do_desc_n = HW.d_make_smem_desc(HW.smem_address(smem, DO_OFF), STREAM_PANEL, SBO, SW128)
+        # N-major (dSᵀ Q, Pᵀ dO), from the first panel of the block's slice
+        q_desc_n = HW.d_make_smem_desc(HW.smem_address(smem, Q_OFF + (c0 // PANEL) * BLOCK_N * PANEL), STREAM_PANEL,
+                                       SBO, SW128)
+        do_desc_n = HW.d_make_smem_desc(HW.smem_address(smem, DO_OFF + (c0 // PANEL) * BLOCK_N * PANEL),
+                                        STREAM_PANEL, SBO, SW128)
 
         # Step 1: K_j, V_j and the first Q_i, dO_i, one cp.async group; the first lse2, D to shared.
         q_begin, q_end = d_query_range(k_start, BLOCK_M, seqlen_q, seqlen_k, causal)
@@ -394,7 +431,7 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
             # Step 1c: dV_j += Pᵀ dO_i issued (Pᵀ packed from the accumulators, dO_i read N-major) ...
             for kk in range(N_STEPS):
                 p_frags(PA, S, kk, kk)
-            dv_t = HW.wgmma_fence_operand(HW.acc_from_array(dV, D_PAD) if STAGES == 2 else dv_t)
+            dv_t = HW.wgmma_fence_operand(HW.acc_from_array(dV, SLICE) if STAGES == 2 else dv_t)
             HW.wgmma_fence()
             dv_t = rs_prod(dv_t, PA, do_desc_n + buf_off)
             HW.wgmma_commit_group()
@@ -417,7 +454,7 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
                     smem32[word + 4 * DS_PITCH] = SA[kk, 1]  # 8 keys down: 8 · DS_PITCH / 2 words
                     smem32[word + 4] = SA[kk, 2]  # 8 queries right
                     smem32[word + 4 * DS_PITCH + 4] = SA[kk, 3]
-            dk_t = HW.wgmma_fence_operand(HW.acc_from_array(dK, D_PAD) if STAGES == 2 else dk_t)
+            dk_t = HW.wgmma_fence_operand(HW.acc_from_array(dK, SLICE) if STAGES == 2 else dk_t)
             HW.wgmma_fence()
             dk_t = rs_prod(dk_t, SA, q_desc_n + buf_off)
             HW.wgmma_commit_group()
@@ -426,7 +463,7 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
                 # every key of the tile: every warp's rows of dSᵀ are written.  (ldmatrix reads through the
                 # generic proxy, so no proxy fence.)
                 cuda.syncthreads()
-                if dq_col0 < D_PAD:  # warp-uniform: this warpgroup has a share of the columns
+                if dq_share:
                     for mc in range(DQ_M_CHUNKS):
                         q_row0 = 64 * mc + 16 * (tid // 32 % 4)  # the warp's 16 queries of the chunk
                         for kk in range(M_STEPS):  # dS = (dSᵀ)ᵀ: ldmatrix.trans gives the A fragments
@@ -466,8 +503,8 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
             key = key0 + g + 8 * r
             if key < seqlen_k:
                 for n in range(D_TILES):
-                    if 8 * n < D:
-                        col = 8 * n + 2 * t
+                    if c0 + 8 * n < D:
+                        col = c0 + 8 * n + 2 * t
                         store_pair(dk, b, h, key, col, dK[n, 2 * r] * sc, dK[n, 2 * r + 1] * sc)
                         store_pair(dv, b, h, key, col, dV[n, 2 * r], dV[n, 2 * r + 1])
 
@@ -478,9 +515,10 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
 def dq_wgmma_kernel(cfg: WGBackwardConfig):
     """The compiled dQ kernel (step 2) for one configuration (cached)."""
     c = _Consts(cfg)
-    BLOCK_M, BLOCK_N, D, D_PAD, THREADS = c.BLOCK_M, c.BLOCK_N, c.D, c.D_PAD, c.THREADS
+    BLOCK_M, BLOCK_N, D, THREADS = c.BLOCK_M, c.BLOCK_N, c.D, c.THREADS
     DO_OFF, K_OFF, V_OFF, STRIDE, STAGES = c.A1, c.S0, c.S1, c.STRIDE, c.DQ_STAGES
     N_TILES, D_TILES, N_STEPS = c.N_TILES, c.D_TILES, c.N_STEPS
+    SLICES, SLICE, D_SMEM = c.SLICES, c.SLICE, c.D_SMEM
     STREAM_PANEL, SMEM_ALIGN = c.STREAM_PANEL, c.SMEM_ALIGN
     ss_prod, rs_prod = c.ss, c.rs
     SW128, SBO = HW.SWIZZLE_128B, 1024
@@ -488,15 +526,20 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
     u32, u64 = numba.uint32, numba.uint64
     _, mask_scores, _, p_frags, _, _, _ = fragment_steps(N_TILES, D_TILES, D, cfg.input_kind)
     store_pair = _make_pair_storer(cfg.input_kind)
-    load_own = swizzled_tile_loader(BLOCK_M, THREADS, D)
-    load_stream = swizzled_tile_loader(BLOCK_N, THREADS, D)
+    load_own = swizzled_tile_loader(BLOCK_M, THREADS, D, D_SMEM)
+    load_stream = swizzled_tile_loader(BLOCK_N, THREADS, D, D_SMEM)
 
     @kernel(fastmath=True)
     def flash_backward_dq_wgmma(q, k, v, do, lse2, delta, dq, qk_scale_log2, scale, causal):
         """One block: dQ_i for BLOCK_M queries of one (batch, head)."""
         seqlen_q = q.shape[2]
         seqlen_k = k.shape[2]
-        q_start = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BLOCK_M  # longest causal rows first
+        if SLICES == 1:
+            q_start = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BLOCK_M  # longest causal rows first
+            c0 = 0  # the block's first dQ column
+        else:
+            q_start = (cuda.gridDim.x // SLICES - 1 - cuda.blockIdx.x // SLICES) * BLOCK_M
+            c0 = (cuda.blockIdx.x % SLICES) * SLICE
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
         tid = numba.int64(u32(cuda.threadIdx.x))
@@ -520,14 +563,16 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
         for n in range(D_TILES):
             for i in range(4):
                 dQ[n, i] = ZERO
-        dq_t = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(D_PAD))  # (3 stages: the accumulator crosses tiles)
+        dq_t = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(SLICE))  # (3 stages: the accumulator crosses tiles)
         scale_log2 = numba.float32(qk_scale_log2)
 
         q_desc = HW.d_make_smem_desc(HW.smem_address(smem, 64 * PANEL * wg), 16, SBO, SW128)
         do_desc = HW.d_make_smem_desc(HW.smem_address(smem, DO_OFF + 64 * PANEL * wg), 16, SBO, SW128)
         k_desc = HW.d_make_smem_desc(HW.smem_address(smem, K_OFF), 16, SBO, SW128)  # K-major (S = Q Kᵀ)
         v_desc = HW.d_make_smem_desc(HW.smem_address(smem, V_OFF), 16, SBO, SW128)
-        k_desc_n = HW.d_make_smem_desc(HW.smem_address(smem, K_OFF), STREAM_PANEL, SBO, SW128)  # N-major (dS K)
+        # N-major (dS K), from the first panel of the block's slice
+        k_desc_n = HW.d_make_smem_desc(HW.smem_address(smem, K_OFF + (c0 // PANEL) * BLOCK_N * PANEL), STREAM_PANEL,
+                                       SBO, SW128)
 
         # Q_i, dO_i and the first K_j, V_j: one cp.async group.
         _, k_end = d_key_range(q_start, BLOCK_M, seqlen_q, seqlen_k, causal)
@@ -587,7 +632,7 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
             # dQ_i += dS K_j: dS packed from the accumulators, K_j read N-major.
             for kk in range(N_STEPS):
                 p_frags(SA, dP, kk, kk)
-            dq_t = HW.wgmma_fence_operand(HW.acc_from_array(dQ, D_PAD) if STAGES == 2 else dq_t)
+            dq_t = HW.wgmma_fence_operand(HW.acc_from_array(dQ, SLICE) if STAGES == 2 else dq_t)
             HW.wgmma_fence()
             dq_t = rs_prod(dq_t, SA, k_desc_n + buf_off)
             HW.wgmma_commit_group()
@@ -608,8 +653,8 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
             row = row0 + g + 8 * r
             if row < seqlen_q:
                 for n in range(D_TILES):
-                    if 8 * n < D:
-                        store_pair(dq, b, h, row, 8 * n + 2 * t, dQ[n, 2 * r] * sc, dQ[n, 2 * r + 1] * sc)
+                    if c0 + 8 * n < D:
+                        store_pair(dq, b, h, row, c0 + 8 * n + 2 * t, dQ[n, 2 * r] * sc, dQ[n, 2 * r + 1] * sc)
 
     return flash_backward_dq_wgmma
 
@@ -619,9 +664,14 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
 # ----------------------------------------------------------------------------
 
 
+#: The largest head dim for which ``backend="auto"`` picks this backward on Hopper: above it the head dim is
+#: cut into slices (not yet timed on the GPU), and ``auto`` keeps the measured ``mma.sync`` backward there.
+AUTO_MAX_HEAD_DIM = 128
+
+
 def takes_head_dim(head_dim: int) -> bool:
-    """Does the wgmma backward take this head dim (a multiple of 8 up to 128)?"""
-    return 0 < head_dim <= 128 and head_dim % 8 == 0
+    """Does the wgmma backward take this head dim (a multiple of 8 up to 256; above 128 in slices)?"""
+    return 0 < head_dim <= 256 and head_dim % 8 == 0
 
 
 @functools.cache
@@ -633,12 +683,18 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
     other's products and softmax); D > 64: two warpgroups, 128 × 64 (245 registers in dK/dV, one
     block per SM; level with 64 × 64 at N ≤ 4k, 3–7 % ahead at 16k), the dQ kernel with three K/V
     buffers (1–3 % ahead of two on every shape of ``…-stages.json``; three in dK/dV spill).
-    Simulator: one warpgroup and 16-row streamed tiles.
+    D > 128 (compiled and simulated, not yet timed on the GPU): one warpgroup, 64 × 64, two slices of 128
+    gradient columns (193 KB of shared memory at D = 256; a padded D of 192 takes a zero panel), dQ by its
+    own kernel only (:func:`takes_atomic`).
+    Simulator: one warpgroup and 16-row streamed tiles (D > 128: the same slices).
     """
     if not takes_head_dim(head_dim):
-        raise ValueError(f"the wgmma backward takes head dims that are multiples of 8 up to 128, got {head_dim}")
+        raise ValueError(f"the wgmma backward takes head dims that are multiples of 8 up to 256, got {head_dim}")
+    d_slice = 2 * PANEL if head_dim > 2 * PANEL else 0
     if simulator:
-        return WGBackwardConfig(64, 16, head_dim, input_kind)
+        return WGBackwardConfig(64, 16, head_dim, input_kind, d_slice=d_slice)
+    if d_slice:
+        return WGBackwardConfig(64, 64, head_dim, input_kind, d_slice=d_slice)
     if head_dim <= 64:
         return WGBackwardConfig(64, 64, head_dim, input_kind)
     return WGBackwardConfig(128, 64, head_dim, input_kind, dq_stages=3)
@@ -661,11 +717,18 @@ def can_implement(cfg: WGBackwardConfig, *arrays, atomic: bool = False) -> tuple
 
 
 def takes_atomic(cfg: WGBackwardConfig) -> bool:
-    """Can ``cfg`` run the atomic dQ route (step 1e: its wgmma's M is 64 queries of the streamed tile)?"""
-    return cfg.block_n % 64 == 0
+    """Can ``cfg`` run the atomic dQ route (step 1e: its wgmma's M is 64 queries of the streamed tile)?
+
+    Not with slices (D > 128): beside the slice's dK and dV, the dQ product's accumulator left ptxas too
+    few registers for the wgmma pipeline, and it serialised every wgmma of the kernel (its C7512), with
+    dQ products of 128 columns and of 64 alike."""
+    return cfg.block_n % 64 == 0 and cfg.slices == 1
 
 
 def _atomic_refusal(cfg: WGBackwardConfig) -> str:
+    if cfg.slices > 1:
+        return (f"the atomic dQ route takes one slice of the head dim (D ≤ 128; ptxas serialises its wgmmas "
+                f"beside a slice's dK and dV), got {cfg.slices} slices")
     return f"the atomic dQ route needs block_n a multiple of 64 (the M of its wgmma), got {cfg.block_n}"
 
 
@@ -694,19 +757,19 @@ def launch_backward_wgmma(cfg: WGBackwardConfig, do, q, k, v, o, lse, dq, dk, dv
     # get zeros (dS is 0 there).  Step 0 clears all of it (its grid covers the padded rows), step 2' reads
     # the first seqlen_q rows and head_dim columns.
     rows = -(-seqlen_q // cfg.block_n) * cfg.block_n
-    shape = (1, 1, 1, 1) if deterministic else (batch, heads, rows, cfg.d_pad)  # unused when deterministic
+    shape = (1, 1, 1, 1) if deterministic else (batch, heads, rows, cfg.d_smem)  # unused when deterministic
     dq_accum = empty(shape, np.float32)
     simt_grid, simt_block = (-(-seqlen_q // simt.block_m), heads, batch), (simt.threads_x, simt.threads_y, 1)
     pre_grid = (-(-(seqlen_q if deterministic else rows) // simt.block_m), heads, batch)
     launch(bw.preprocess_kernel(simt), pre_grid, simt_block, stream, 0, o, do, lse, delta, lse2, dq_accum,
            not deterministic)
     qk_scale_log2, sc = float(scale * LOG2E), float(scale)
-    launch(dkdv_wgmma_kernel(cfg, not deterministic), (-(-seqlen_k // cfg.block_m), heads, batch),
+    launch(dkdv_wgmma_kernel(cfg, not deterministic), (-(-seqlen_k // cfg.block_m) * cfg.slices, heads, batch),
            (cfg.threads, 1, 1), stream, shared_bytes(cfg, not deterministic),
            *(q, k, v, do, lse2, delta, dk, dv, dq_accum, qk_scale_log2, sc, bool(causal)))
     if deterministic:
-        launch(dq_wgmma_kernel(cfg), (-(-seqlen_q // cfg.block_m), heads, batch), (cfg.threads, 1, 1), stream,
-               shared_bytes(cfg), *(q, k, v, do, lse2, delta, dq, qk_scale_log2, sc, bool(causal)))
+        launch(dq_wgmma_kernel(cfg), (-(-seqlen_q // cfg.block_m) * cfg.slices, heads, batch), (cfg.threads, 1, 1),
+               stream, shared_bytes(cfg), *(q, k, v, do, lse2, delta, dq, qk_scale_log2, sc, bool(causal)))
     else:
         launch(bw.dq_convert_kernel(simt), simt_grid, simt_block, stream, 0, dq_accum, dq, sc)
 
@@ -725,11 +788,12 @@ def kernel_signature(cfg: WGBackwardConfig, name: str):
 def compile_targets():
     """``(name, cfg, kernel, signature, fastmath)`` for the GPU configurations (the PTX check, sm_90a)."""
     rows = []
-    for d in (40, 64, 96, 128):
+    for d in (40, 64, 96, 128, 256):
         for kind in ("float16", "bfloat16"):
             cfg = choose_config(d, kind, simulator=False)
             rows.append(("flash_backward_dkdv_wgmma", cfg, dkdv_wgmma_kernel(cfg), kernel_signature(cfg, "dkdv"), True))
-            rows.append(("flash_backward_dkdv_wgmma_atomic", cfg, dkdv_wgmma_kernel(cfg, True),
-                         kernel_signature(cfg, "dkdv_atomic"), True))
+            if takes_atomic(cfg):
+                rows.append(("flash_backward_dkdv_wgmma_atomic", cfg, dkdv_wgmma_kernel(cfg, True),
+                             kernel_signature(cfg, "dkdv_atomic"), True))
             rows.append(("flash_backward_dq_wgmma", cfg, dq_wgmma_kernel(cfg), kernel_signature(cfg, "dq"), True))
     return rows

@@ -273,10 +273,11 @@ def shared_bytes(cfg: WGConfig) -> int:
 
 
 @functools.cache
-def swizzled_tile_loader(ROWS: int, THREADS: int, D: int):
+def swizzled_tile_loader(ROWS: int, THREADS: int, D: int, COLS: int | None = None):
     """``load_tile(smem, offset, src, b, h, start, seqlen, tid)``: cp.async rows ``[start, start + ROWS)``
     of ``src[b, h]`` into the swizzled tile at ``smem[offset]``; rows past ``seqlen`` and the head-dim
-    padding are zero-filled (a copy of 0 source bytes).
+    padding are zero-filled (a copy of 0 source bytes).  ``COLS``: the tile's columns, whole panels
+    (default: D rounded up to a panel; more for the sliced backward of :mod:`nbflash.backward_wgmma`).
 
     Consecutive threads copy consecutive 16-byte chunks of a row (coalesced reads); the eight chunks of
     one 128-byte line land on eight different chunk slots (``c ^ (row % 8)``), so the writes do not
@@ -286,7 +287,7 @@ def swizzled_tile_loader(ROWS: int, THREADS: int, D: int):
     rows are padded to whole 64-column panels).  Used for Q, K, V (and, in the
     backward, dO) tiles alike.
     """
-    D_PAD = -(-D // PANEL) * PANEL
+    D_PAD = COLS or -(-D // PANEL) * PANEL
     U_PANEL = np.uint64(ROWS * PANEL)  # elements of one 64-column panel of the tile
     u64 = numba.uint64
 

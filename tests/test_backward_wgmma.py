@@ -99,6 +99,23 @@ def test_backward_wgmma_atomic_dq(xp, rng, kind, causal, n_q, n_k, d, block_m, l
     check_against_reference(got, values, scale, causal, kind)
 
 
+# The head dim cut into slices of gradient columns, one block each (as above D = 128 on the GPU).  (kind, causal,
+# seqlen_q, seqlen_k, head dim, d_slice); dQ by its own kernel (the atomic route takes no slices).
+SLICED = [
+    ("bfloat16", True, 37, 35, 128, 64),  # two slices of one panel
+    ("float16", False, 20, 33, 136, 128),  # padded 192: two slices of two panels, the last one zero
+]
+
+
+@hopper
+@pytest.mark.parametrize("kind,causal,n_q,n_k,d,d_slice", SLICED)
+def test_backward_wgmma_head_dim_slices(xp, rng, kind, causal, n_q, n_k, d, d_slice):
+    cfg = B.WGBackwardConfig(64, 16, d, kind, d_slice=d_slice)
+    assert cfg.slices == 2
+    got, values, scale = run_backward(xp, rng, n_q, n_k, d, kind, causal, True, heads=1, cfg=cfg, launch=launch)
+    check_against_reference(got, values, scale, causal, kind)
+
+
 def test_atomic_route_needs_64_query_tiles():
     cfg = B.WGBackwardConfig(64, 16, 64, "float16")
     assert not B.takes_atomic(cfg)
@@ -151,11 +168,22 @@ def test_default_dq_route(monkeypatch, backend, default):
 
 
 def test_config_validation():
-    for bad in (dict(block_m=96), dict(block_n=24), dict(head_dim=136), dict(input_kind="float32"), dict(dq_stages=4),
-                dict(dkdv_stages=1)):
+    for bad in (dict(block_m=96), dict(block_n=24), dict(head_dim=264), dict(head_dim=36), dict(input_kind="float32"),
+                dict(dq_stages=4), dict(dkdv_stages=1), dict(d_slice=96)):
         args = dict(block_m=64, block_n=16, head_dim=64, input_kind="float16") | bad
         with pytest.raises(ValueError, match=next(iter(bad))):
             B.WGBackwardConfig(**args)
+    with pytest.raises(ValueError, match="needs d_slice"):
+        B.WGBackwardConfig(64, 16, 136, "float16")
+    # Above D = 128: two slices of 128 columns; auto keeps the mma.sync backward there until timed.
+    big = B.choose_config(256, "bfloat16", simulator=False)
+    assert (big.block_m, big.block_n, big.d_slice, big.slices, big.d_smem) == (64, 64, 128, 2, 256)
+    assert B.shared_bytes(big) == 192 * 1024 + 2 * 2 * 64 * 4
+    assert not B.takes_atomic(big)  # slices: dQ by its own kernel only (ptxas serialised the atomic kernel's wgmmas)
+    with pytest.raises(ValueError, match="one slice"):
+        B.dkdv_wgmma_kernel(big, True)
+    assert B.choose_config(192, "bfloat16", simulator=False).d_smem == 256  # padded 192: a zero panel
+    assert B.takes_head_dim(256) and not B.takes_head_dim(264) and B.AUTO_MAX_HEAD_DIM == 128
     # K, V (or Q, dO) once, Q, dO (or K, V) twice: 128 × 64 tiles at D = 128 are 2 · 32 + 4 · 16 KB.
     assert B.shared_bytes(B.WGBackwardConfig(128, 64, 128, "float16")) == 128 * 1024 + 2 * 2 * 64 * 4  # + lse2, D
     three = B.WGBackwardConfig(128, 64, 128, "float16", dq_stages=3)  # a third streamed buffer of each: + 32 KB
