@@ -520,3 +520,27 @@ __all__ = [
     "pad_head_dim",
     "vector_width",
 ]
+
+
+class HeadDimSlices:
+    """The head-dim slices of a backward configuration (a mixin of the tensor-core backward configs).
+
+    A block owns the gradient columns of one slice of the padded head dim: ``d_slice`` columns (0: all of
+    ``d_pad``), one block per slice, so that its dK, dV (or dQ) accumulators fit in registers at large head
+    dims.  The class provides the derived sizes; the config provides ``d_pad`` and ``d_slice``.
+    """
+
+    @property
+    def slice_cols(self) -> int:
+        """Gradient columns of one block."""
+        return self.d_slice or self.d_pad
+
+    @property
+    def slices(self) -> int:
+        """Blocks per tile of stationary rows, one per slice of the head dim."""
+        return -(-self.d_pad // self.slice_cols)
+
+    @property
+    def d_smem(self) -> int:
+        """Columns of the shared tiles: every slice whole (≥ d_pad; the columns past the head dim are zero)."""
+        return self.slices * self.slice_cols

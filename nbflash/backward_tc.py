@@ -137,7 +137,7 @@ import numpy as np
 from . import backward as bw
 from . import intrinsics as I
 from ._device import SIMULATOR, compute_capability, cuda, device_function, kernel, launch, max_shared_per_block, numba
-from ._tiles import LOG2E, make_padded_offset, make_storer, make_tc_tile_copier
+from ._tiles import LOG2E, HeadDimSlices, make_padded_offset, make_storer, make_tc_tile_copier
 from ._validate import array_module, tile_rows_problem
 from .masking import d_key_range, d_query_range, d_row_key_end, d_tile_needs_mask
 
@@ -157,7 +157,7 @@ KERNELS = ("dkdv", "dkdv_atomic", "dq")
 
 
 @dataclass(frozen=True)
-class TCBackwardConfig:
+class TCBackwardConfig(HeadDimSlices):
     """Compile-time constants of the tensor-core backward kernels.
 
     Both kernels keep ``block_n`` rows stationary (16 per warp) and stream tiles
@@ -213,20 +213,6 @@ class TCBackwardConfig:
         """D rounded up to the mma's k = 16."""
         return -(-self.head_dim // 16) * 16
 
-    @property
-    def slice_cols(self) -> int:
-        """Gradient columns of one block (a multiple of 16)."""
-        return self.d_slice or self.d_pad
-
-    @property
-    def slices(self) -> int:
-        """Blocks per tile of stationary rows, one per slice of the head dim."""
-        return -(-self.d_pad // self.slice_cols)
-
-    @property
-    def d_smem(self) -> int:
-        """Columns of the shared Q, K, V, dO tiles: every slice whole (≥ D; the columns past D are zero)."""
-        return self.slices * self.slice_cols
 
     @property
     def pitch(self) -> int:

@@ -123,7 +123,7 @@ from . import backward as bw
 from . import hopper as HW
 from . import intrinsics as I
 from ._device import SIMULATOR, cuda, device_function, kernel, launch, max_shared_per_block, numba, warp_uniform
-from ._tiles import LOG2E
+from ._tiles import LOG2E, HeadDimSlices
 from ._validate import array_module, tile_rows_problem
 from .backward_tc import _make_pair_storer
 from .forward_tc import fragment_steps
@@ -146,7 +146,7 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class WGBackwardConfig:
+class WGBackwardConfig(HeadDimSlices):
     """Compile-time constants of the wgmma backward kernels.
 
     ``block_m``: rows a block owns, 64 per warpgroup (keys in the dK/dV
@@ -199,20 +199,6 @@ class WGBackwardConfig:
         """D rounded up to whole 64-column panels; the padding is zero in shared memory."""
         return -(-self.head_dim // PANEL) * PANEL
 
-    @property
-    def slice_cols(self) -> int:
-        """Gradient columns of one block (whole panels)."""
-        return self.d_slice or self.d_pad
-
-    @property
-    def slices(self) -> int:
-        """Blocks per tile of owned rows, one per slice of the head dim."""
-        return -(-self.d_pad // self.slice_cols)
-
-    @property
-    def d_smem(self) -> int:
-        """Columns of the shared tiles: every slice whole (past d_pad, whole zero panels)."""
-        return self.slices * self.slice_cols
 
 
 def shared_offsets(cfg: WGBackwardConfig) -> tuple[int, int, int, int, int, int]:
