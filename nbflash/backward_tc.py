@@ -213,7 +213,6 @@ class TCBackwardConfig(HeadDimSlices):
         """D rounded up to the mma's k = 16."""
         return -(-self.head_dim // 16) * 16
 
-
     @property
     def pitch(self) -> int:
         """Row pitch of the Q, K, V, dO tiles (elements): the columns plus one 16-byte chunk against bank conflicts."""

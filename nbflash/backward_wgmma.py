@@ -200,7 +200,6 @@ class WGBackwardConfig(HeadDimSlices):
         return -(-self.head_dim // PANEL) * PANEL
 
 
-
 def shared_offsets(cfg: WGBackwardConfig) -> tuple[int, int, int, int, int, int]:
     """16-bit element offsets of the two once-copied tiles (the first at 0: K, V or Q, dO), of the two
     streamed tiles' buffers (``stages`` each), of the streamed rows' lse2 and D (float32, two buffers of
