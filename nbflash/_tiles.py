@@ -544,3 +544,21 @@ class HeadDimSlices:
     def d_smem(self) -> int:
         """Columns of the shared tiles: every slice whole (≥ d_pad; the columns past the head dim are zero)."""
         return self.slices * self.slice_cols
+
+    def block_tile(self, rows: int, last_first: bool = False):
+        """``(start, c0) = block_tile()``: a device function giving this block's first stationary row and first
+        gradient column, for a grid whose x index runs over (tile of ``rows`` rows, slice), the slices of a
+        tile side by side.  ``last_first``: the tiles in reverse order (the longest causal query rows first).
+        With one slice the index is the tile itself, spelt without a division (the kernels' old code)."""
+        SLICES, SLICE = self.slices, self.slice_cols
+
+        def block_tile():
+            if SLICES == 1:
+                tile = cuda.gridDim.x - 1 - cuda.blockIdx.x if last_first else cuda.blockIdx.x
+                return tile * rows, 0
+            tile = cuda.blockIdx.x // SLICES
+            if last_first:
+                tile = cuda.gridDim.x // SLICES - 1 - tile
+            return tile * rows, (cuda.blockIdx.x % SLICES) * SLICE
+
+        return device_function(block_tile)

@@ -413,6 +413,7 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
     copy_kv = _make_tile_copier(BLOCK_N, cfg)
     copy_q = _make_tile_copier(BLOCK_M, cfg)
     row_product = _make_row_product(GROUPS, GROUP, KV_IN_REGS, M_STEPS, PITCH, mma_into)
+    block_tile = cfg.block_tile(BLOCK_N)
 
     @device_function
     def copy_row_values(smem_f, offset, src, b, h, start, seqlen, tid):
@@ -431,12 +432,9 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
         """One block: dK_j and dV_j for BLOCK_N keys of one (batch, head)."""
         seqlen_q = q.shape[2]
         seqlen_k = k.shape[2]
-        if SLICES == 1:
-            k_start = cuda.blockIdx.x * BLOCK_N  # the first key tiles have the most causal queries: they start first
-            c0 = 0  # the block's first gradient column
-        else:
-            k_start = (cuda.blockIdx.x // SLICES) * BLOCK_N  # (the slices of a key tile side by side)
-            c0 = (cuda.blockIdx.x % SLICES) * SLICE
+        # The block's keys (the first key tiles have the most causal queries: they start first) and its first
+        # gradient column.
+        k_start, c0 = block_tile()
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
         tid = numba.int64(u32(cuda.threadIdx.x))  # known ≥ 0: no sign fix-ups in // and % below
@@ -670,18 +668,14 @@ def dq_tc_kernel(cfg: TCBackwardConfig):
     copy_q = _make_tile_copier(BLOCK_M, cfg)
     copy_kv = _make_tile_copier(BLOCK_N, cfg)
     row_product = _make_row_product(GROUPS, GROUP, HOLD, N_TILES // 2, PITCH, mma_into)
+    block_tile = cfg.block_tile(BLOCK_M, last_first=True)
 
     @kernel(fastmath=True)
     def flash_backward_dq_tc(q, k, v, do, lse2, delta, dq, qk_scale_log2, scale, causal):
         """One block: dQ_i for BLOCK_M (= cfg.block_n) queries of one (batch, head)."""
         seqlen_q = q.shape[2]
         seqlen_k = k.shape[2]
-        if SLICES == 1:
-            q_start = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BLOCK_M  # longest causal rows first
-            c0 = 0  # the block's first dQ column
-        else:
-            q_start = (cuda.gridDim.x // SLICES - 1 - cuda.blockIdx.x // SLICES) * BLOCK_M
-            c0 = (cuda.blockIdx.x % SLICES) * SLICE
+        q_start, c0 = block_tile()  # the block's queries (longest causal rows first) and first dQ column
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
         tid = numba.int64(u32(cuda.threadIdx.x))  # known ≥ 0: no sign fix-ups in // and % below

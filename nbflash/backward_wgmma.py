@@ -230,7 +230,7 @@ class _Consts:
 
     def __init__(self, cfg: WGBackwardConfig):
         self.BLOCK_M, self.BLOCK_N, self.D, self.D_PAD = cfg.block_m, cfg.block_n, cfg.head_dim, cfg.d_pad
-        self.SLICES, self.SLICE, self.D_SMEM = cfg.slices, cfg.slice_cols, cfg.d_smem
+        self.SLICE, self.D_SMEM = cfg.slice_cols, cfg.d_smem
         self.THREADS, self.DKDV_STAGES, self.DQ_STAGES = cfg.threads, cfg.dkdv_stages, cfg.dq_stages
         _, self.A1, self.S0, self.S1, cols, _ = shared_offsets(cfg)
         self.COLS_F = cols // 2  # float32 offset of the lse2 / D buffers
@@ -256,7 +256,7 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
     BLOCK_M, BLOCK_N, D, THREADS = c.BLOCK_M, c.BLOCK_N, c.D, c.THREADS
     V_OFF, Q_OFF, DO_OFF, STRIDE, STAGES = c.A1, c.S0, c.S1, c.STRIDE, c.DKDV_STAGES
     N_TILES, D_TILES, N_STEPS = c.N_TILES, c.D_TILES, c.N_STEPS
-    SLICES, SLICE, D_SMEM = c.SLICES, c.SLICE, c.D_SMEM
+    SLICE, D_SMEM = c.SLICE, c.D_SMEM
     STREAM_PANEL, SMEM_ALIGN = c.STREAM_PANEL, c.SMEM_ALIGN
     ss_prod, rs_prod = c.ss, c.rs
     SW128, SBO = HW.SWIZZLE_128B, 1024
@@ -267,6 +267,7 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
     store_pair = _make_pair_storer(cfg.input_kind)
     load_own = swizzled_tile_loader(BLOCK_M, THREADS, D, D_SMEM)
     load_stream = swizzled_tile_loader(BLOCK_N, THREADS, D, D_SMEM)
+    block_tile = cfg.block_tile(BLOCK_M)
 
     COLS_F, COL_BUF = c.COLS_F, 2 * BLOCK_N  # lse2 / D buffers: float32 offset, floats per buffer
     # Step 1e (atomic dQ): the shared dSᵀ tile, and which columns of dQ_i each warpgroup computes — half of the
@@ -294,12 +295,9 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
         """One block: dK_j and dV_j for BLOCK_M keys of one (batch, head) (and, atomic route, their share of dQ)."""
         seqlen_q = q.shape[2]
         seqlen_k = k.shape[2]
-        if SLICES == 1:
-            k_start = cuda.blockIdx.x * BLOCK_M  # the first key tiles have the most causal queries: they start first
-            c0 = 0  # the block's first gradient column
-        else:
-            k_start = (cuda.blockIdx.x // SLICES) * BLOCK_M  # (the slices of a key tile side by side)
-            c0 = (cuda.blockIdx.x % SLICES) * SLICE
+        # The block's keys (the first key tiles have the most causal queries: they start first) and its first
+        # gradient column.
+        k_start, c0 = block_tile()
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
         tid = numba.int64(u32(cuda.threadIdx.x))
@@ -503,7 +501,7 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
     BLOCK_M, BLOCK_N, D, THREADS = c.BLOCK_M, c.BLOCK_N, c.D, c.THREADS
     DO_OFF, K_OFF, V_OFF, STRIDE, STAGES = c.A1, c.S0, c.S1, c.STRIDE, c.DQ_STAGES
     N_TILES, D_TILES, N_STEPS = c.N_TILES, c.D_TILES, c.N_STEPS
-    SLICES, SLICE, D_SMEM = c.SLICES, c.SLICE, c.D_SMEM
+    SLICE, D_SMEM = c.SLICE, c.D_SMEM
     STREAM_PANEL, SMEM_ALIGN = c.STREAM_PANEL, c.SMEM_ALIGN
     ss_prod, rs_prod = c.ss, c.rs
     SW128, SBO = HW.SWIZZLE_128B, 1024
@@ -513,18 +511,14 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
     store_pair = _make_pair_storer(cfg.input_kind)
     load_own = swizzled_tile_loader(BLOCK_M, THREADS, D, D_SMEM)
     load_stream = swizzled_tile_loader(BLOCK_N, THREADS, D, D_SMEM)
+    block_tile = cfg.block_tile(BLOCK_M, last_first=True)
 
     @kernel(fastmath=True)
     def flash_backward_dq_wgmma(q, k, v, do, lse2, delta, dq, qk_scale_log2, scale, causal):
         """One block: dQ_i for BLOCK_M queries of one (batch, head)."""
         seqlen_q = q.shape[2]
         seqlen_k = k.shape[2]
-        if SLICES == 1:
-            q_start = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BLOCK_M  # longest causal rows first
-            c0 = 0  # the block's first dQ column
-        else:
-            q_start = (cuda.gridDim.x // SLICES - 1 - cuda.blockIdx.x // SLICES) * BLOCK_M
-            c0 = (cuda.blockIdx.x % SLICES) * SLICE
+        q_start, c0 = block_tile()  # the block's queries (longest causal rows first) and first dQ column
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
         tid = numba.int64(u32(cuda.threadIdx.x))
