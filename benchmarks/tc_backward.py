@@ -16,7 +16,9 @@ Run on a CUDA machine (CuPy and PyTorch needed)::
 
 Tile sweep (``--configs 64x64r,128x128r,64x128,wg128x64s23``): candidate
 configurations of :mod:`nbflash.backward_tc`, by tag ``<block_m>x<block_n>``
-plus ``r`` when each warp keeps its K/V fragments in registers and ``d<columns>``
+plus ``r`` when each warp keeps its K/V fragments in registers, ``g<key groups><dQ row groups>``
+for the dK/dV kernel's FlashAttention-2 warp grid (``TCBackwardConfig.warps_keys``,
+``warps_dq_rows``; e.g. ``64x128g42``), and ``d<columns>``
 for the gradient columns per block (``TCBackwardConfig.d_slice``; needed above
 D = 128, e.g. ``32x64d64@256``; also after a ``wg`` tag), and of
 :mod:`nbflash.backward_wgmma` by ``wg<block_m>x<block_n>`` plus, optionally,
@@ -44,6 +46,7 @@ import math
 import os
 import re
 import statistics
+import subprocess
 import sys
 import time
 
@@ -57,12 +60,13 @@ from benchmarks.tc_sweep import as_cupy, cuda_time_ms  # noqa: E402
 from nbflash import api  # noqa: E402
 from nbflash import backward_tc as T  # noqa: E402
 from nbflash import backward_wgmma as W  # noqa: E402
+from nbflash._device import disk_cache_enabled  # noqa: E402
 
 KIND = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEVICE = "cuda"
 TOKENS, WIDTH = 16384, 2048  # timed shapes: batch · N and heads · D
-TAG = re.compile(r"(wg)?(\d+)x(\d+)(r?)(?:s(\d)(\d))?(?:d(\d+))?(?:@(\d+))?")
+TAG = re.compile(r"(wg)?(\d+)x(\d+)(r?)(?:s(\d)(\d))?(?:g(\d)(\d))?(?:d(\d+))?(?:@(\d+))?")
 # (seqlen_q, seqlen_k, causal) of the candidates' check: ragged tiles, both causal shapes, whole blocks.
 SWEEP_CASES = [(97, 97, False), (200, 97, True), (97, 200, True), (1025, 1025, True), (2048, 2048, False)]
 
@@ -159,7 +163,8 @@ def tag(cfg) -> str:
         cols = f"d{cfg.d_slice}" if cfg.d_slice else ""
         return f"wg{cfg.block_m}x{cfg.block_n}{stages}{cols}"
     cols = f"d{cfg.d_slice}" if cfg.d_slice else ""
-    return f"{cfg.block_m}x{cfg.block_n}{'r' if cfg.kv_in_registers else ''}{cols}"
+    grid = f"g{cfg.warps_keys}{cfg.warps_dq_rows}" if cfg.grid else ""
+    return f"{cfg.block_m}x{cfg.block_n}{'r' if cfg.kv_in_registers else ''}{grid}{cols}"
 
 
 def parse_configs(spec: str, dims, kinds) -> list[T.TCBackwardConfig]:
@@ -171,21 +176,22 @@ def parse_configs(spec: str, dims, kinds) -> list[T.TCBackwardConfig]:
     parsed = []
     for t in tags:
         m = TAG.fullmatch(t)
-        if not m or (m[1] and m[4]) or (m[5] and not m[1]):
+        if not m or (m[1] and (m[4] or m[7])) or (m[5] and not m[1]):
             raise ValueError(
-                f"bad config tag {t!r}: expected <block_m>x<block_n>[r][d<columns>][@<head dim>] or "
-                "wg<block_m>x<block_n>[s<dK/dV stages><dQ stages>][d<columns>][@<head dim>], e.g. 64x128r, "
-                "32x64d64@256, wg128x64s23@128 or wg64x64d128@256"
+                f"bad config tag {t!r}: expected <block_m>x<block_n>[r][g<key groups><dQ row groups>][d<columns>]"
+                "[@<head dim>] or wg<block_m>x<block_n>[s<dK/dV stages><dQ stages>][d<columns>][@<head dim>], "
+                "e.g. 64x128r, 64x128g42, 32x64d64@256, wg128x64s23@128 or wg64x64d128@256"
             )
         stages = (int(m[5]), int(m[6])) if m[5] else (2, 2)
-        parsed.append((bool(m[1]), int(m[2]), int(m[3]), m[4] == "r", stages, int(m[7] or 0),
-                       int(m[8]) if m[8] else None))
+        grid = (int(m[7]), int(m[8])) if m[7] else (0, 0)
+        parsed.append((bool(m[1]), int(m[2]), int(m[3]), m[4] == "r", stages, grid, int(m[9] or 0),
+                       int(m[10]) if m[10] else None))
     cfgs = []
     for d in dims:
         for kind in kinds:
             default = T.choose_config(d, kind, simulator=False)
             mine = [default]
-            for wg, bm, bn, regs, stages, cols, only in parsed:
+            for wg, bm, bn, regs, stages, grid, cols, only in parsed:
                 if only is not None and only != d:
                     continue
                 if wg:
@@ -193,7 +199,7 @@ def parse_configs(spec: str, dims, kinds) -> list[T.TCBackwardConfig]:
                                              d_slice=cols)
                 else:
                     cfg = T.TCBackwardConfig(bm, bn, d, kind, kv_in_registers=regs, vector_red=default.vector_red,
-                                             d_slice=cols)
+                                             d_slice=cols, warps_keys=grid[0], warps_dq_rows=grid[1])
                 if cfg not in mine:
                     mine.append(cfg)
             cfgs += mine
@@ -396,6 +402,13 @@ def sweep(args, log, env, save):
         if c == T.choose_config(c.head_dim, c.input_kind, simulator=False)
     }
     log("candidates: " + ", ".join(f"{tag(c)} D{c.head_dim} {c.input_kind}" for c in cfgs) + f"; defaults {defaults}")
+    if args.jobs > 1:  # compile in parallel processes first: the on-disk kernel cache hands the kernels over
+        argv = [sys.executable, __file__, *sys.argv[1:]]
+        procs = [subprocess.Popen([*argv, f"--compile-part={i}/{args.jobs}"], stdout=subprocess.DEVNULL)
+                 for i in range(args.jobs)]
+        codes = [p.wait() for p in procs]
+        log(f"[{time.perf_counter() - start:.0f} s] compiled in {args.jobs} processes (exit codes {codes}); "
+            f"disk cache {'on' if disk_cache_enabled() else 'OFF: compiled again below'}")
     compiled = compile_configs(log, cfgs, routes)
     log(f"[{time.perf_counter() - start:.0f} s] compiled {len(compiled)} of {len(cfgs)}")
     good = [c for c, _ in compiled]
@@ -437,6 +450,9 @@ def main():
     ap.add_argument("--reps", type=int, default=20, help="tile sweep: timed repetitions per candidate and shape")
     ap.add_argument("--suffix", default="", help="appended to the JSON's file name")
     ap.add_argument("--no-simt", action="store_true", help="do not time the fp16/bf16 SIMT backward (slow)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="tile sweep: compile the candidates first in this many processes (through the disk cache)")
+    ap.add_argument("--compile-part", help=argparse.SUPPRESS)  # i/n: compile every n-th candidate from i, and exit
     args = ap.parse_args()
     if torch.cuda.get_device_capability()[0] == 9:  # Hopper: the wgmma backward too
         ROUTES.extend([(True, "wgmma"), (False, "wgmma")])
@@ -453,6 +469,11 @@ def main():
         print(msg, flush=True)
         lines.append(msg)
 
+    if args.compile_part:  # a --jobs worker: its share of the candidates, both routes, into the disk cache
+        i, n = (int(x) for x in args.compile_part.split("/"))
+        cfgs = parse_configs(args.configs, dims, [KIND[dt] for dt in dtypes])[i::n]
+        compile_configs(log, cfgs, (True, False) if args.atomic else (True,))
+        return
     env = environment()
     if args.configs:
         data = sweep(args, log, env, lambda data: write(args, data, None, lines))

@@ -328,13 +328,16 @@ def attention_backward(
             heads·D = 2048; ``benchmarks/results/`` has the figures):
             *SIMT*: atomic — 23–26 TFLOP/s against 16–18 deterministic in fp32
             at D = 64 (N = 2k, 8k), for 128 MB more scratch;
-            *tensor cores*: deterministic — bf16 on the H200 (N = 1k–16k,
-            ``tc-backward-…-2026-12-01-one-barrier.json``) 139–209 TFLOP/s
-            against 123–213 atomic at D = 64, and 148–221 against 127–252 at
-            D = 128, where ``False`` takes FlashAttention-2's 8-warp 64 × 128
-            tiles: the atomic route wins from N = 4k at D = 128 (by 2–15 %)
-            but loses at 1k (by 2–14 %), and the deterministic one gives the
-            same bits on every run; *wgmma* (Hopper): deterministic — the
+            *tensor cores* (mma.sync): deterministic up to a padded D of 64,
+            atomic above — bf16 on the H200 (N = 1k–16k,
+            ``tc-backward-NVIDIA-H200-2026-12-02-grid.json``): at D = 64
+            137–209 TFLOP/s deterministic against 122–211 atomic; at D = 128
+            the atomic route, with FlashAttention-2's 8-warp 64 × 128 tiles
+            and its warp grid, 189–270 against 183–222 non-causal and
+            133–266 against 146–220 causal (it loses only at causal N = 1k);
+            at D = 256 97–167 against 79–118
+            (``tc-backward-NVIDIA-H200-2026-12-02-wg256.json``);
+            *wgmma* (Hopper): deterministic — the
             atomic route (dQ from each dK/dV block through a shared dSᵀ tile
             and one more wgmma, added by ``red.global.add.v2.f32``) measured
             0.75–0.86× its speed at D = 64 and 0.87–1.03× at D = 128 (N = 1k–16k,
@@ -491,8 +494,8 @@ def run_backward(
     ``deterministic=None``: the dQ route measured faster for the plan's kernels (see
     :func:`attention_backward`); ``empty(shape, dtype)`` allocates the scratch (default: q's array module).
     """
-    if deterministic is None:  # atomic dQ for the SIMT kernels only (attention_backward's figures)
-        deterministic = plan.backend != "simt"
+    if deterministic is None:  # atomic dQ for SIMT, and for mma.sync above D = 64 (attention_backward's figures)
+        deterministic = plan.backend == "wgmma" or (plan.backend == "tensor_core" and plan.config.d_pad <= 64)
     flags = dict(deterministic=bool(deterministic), stream=stream, empty=empty)
     if plan.backend == "tensor_core":  # the plan checked do, q, k, v, o; dq, dk, dv are the caller's fresh arrays
         cfg = plan.config

@@ -72,6 +72,18 @@ where ``D_i = rowsum(dO_i ∘ O_i)``.
 2'. **Convert**, atomic variant — the SIMT kernel of :mod:`nbflash.backward`:
    ``dq = accumulator · scale`` in the output type.
 
+**The grid layout** (:attr:`TCBackwardConfig.warps_keys`; :func:`_dkdv_grid_kernel`).  In the layout
+above a warp owns 16 keys and *all* of every product's other side, so each ``ldmatrix`` of a B operand
+feeds two mma: at D = 128 with 128 keys × 64 queries (the atomic route) a warp issues 184 ``ldmatrix.x4``
+per 320 mma — by a count of bytes (512 per ``ldmatrix.x4`` at 128 a cycle per multiprocessor, against
+an mma every ~2.9 cycles at the measured mma.sync ceiling) nearly as long on the shared-memory pipe as
+on the tensor pipe.
+FlashAttention-2 instead arranges the warps in a grid per product — 4 key groups × 2 query groups for
+Sᵀ and dPᵀ (32 × 32 warp tiles), 4 × 2 over keys × columns for dK and dV (32 × 64), 2 × 4 over queries ×
+columns for dQ (32 × 32) — which takes 144 ``ldmatrix.x4`` per 320 mma.  The price is that ``Pᵀ`` and
+``dSᵀ`` no longer stay in the registers of the warp that computed them: they go to shared ``[key][query]``
+tiles, behind a second barrier per query tile, and dV, dK and dQ read their A operands from there.
+
 **Large head dims.**  A warp's dK and dV accumulators hold its 16 keys × the
 block's gradient columns: 64 + 64 registers at D = 128, too many at D = 256.
 So above a padded D of 128 the head dim is cut into *slices* of at most 128
@@ -98,7 +110,8 @@ D, or every slice whole), every row padded by 8 elements (16 bytes) so that
     dK/dV:  K_j, V_j     2 × BLOCK_N × (C + 8)                   2 bytes each
             Q_i, dO_i    2 × 2 buffers × BLOCK_M × (C + 8)
             lse2, D      2 × 2 buffers × BLOCK_M                 4 bytes each
-            dSᵀ          BLOCK_N × (BLOCK_M + 8)                 atomic variant only
+            dSᵀ          BLOCK_N × (BLOCK_M + 8)                 atomic variant, and the grid layout
+            Pᵀ           BLOCK_N × (BLOCK_M + 8)                 the grid layout
     dQ:     Q_i, dO_i    2 × BLOCK_N × (C + 8)                   (the dQ kernel's query tile is BLOCK_N)
             K_j, V_j     2 × 2 buffers × BLOCK_M × (C + 8)
 
@@ -106,6 +119,7 @@ D, or every slice whole), every row padded by 8 elements (16 bytes) so that
     D=128 (64 × 64 tiles):          dK/dV 105 472 bytes (atomic 114 688), dQ 104 448
     D=128 (64 keys × 32 queries, where a block gets less than that): 70 144 (75 264), 69 632
     D=128 (128 keys × 64 queries, the atomic route's 8 warps):       atomic 158 720
+    D=128 (128 keys × 64 queries, grid layout):                      dK/dV 177 152 (both routes)
     D=256 (128 keys × 32 queries, two slices of 128): dK/dV 203 264 (atomic 213 504), dQ 202 752
     D=256 (64 keys × 32 queries, where a block gets less):              135 680 (140 800), 135 168
 
@@ -123,12 +137,15 @@ path (one address per tile, 3f5a8c4; ``tc-backward-…-copier.json``, bf16):
 FlashAttention-2.  With the product nests unrolled and one barrier per
 tile (``tc-backward-NVIDIA-H200-2026-12-01-one-barrier.json``, bf16,
 N = 1k–16k, the same run as FlashAttention-2): deterministic 139–221
-TFLOP/s, 0.72–0.89×; atomic at D = 128 with 64 × 128 tiles 127–252, 0.74–0.82×.
+TFLOP/s, 0.72–0.89×; atomic at D = 128 with 64 × 128 tiles 127–252, 0.74–0.82×.  With the grid
+layout's dK/dV kernel on those tiles (``tc-backward-NVIDIA-H200-2026-12-02-grid.json``): atomic at
+D = 128 133–270 TFLOP/s, 0.78–0.88× FlashAttention-2 in the same run (+5–9 % over the register layout).
 :func:`nbflash.attention_backward` runs it for float16/bfloat16 (``backend=``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -183,6 +200,11 @@ class TCBackwardConfig(HeadDimSlices):
     kv_in_registers: bool = True  # dK/dV: keep the warp's K_j, V_j A-fragments in registers (else re-ldmatrix)
     vector_red: bool = False  # atomic dQ (step 1g): red.global.add.v2.f32, one per accumulator pair (sm_90+)
     d_slice: int = 0  # gradient columns per block, a multiple of 16 up to 128 (0: the whole padded head dim)
+    # dK/dV kernel in FlashAttention-2's warp grid (step 1, *grid layout*; 0: one warp per 16 keys): the warps in
+    # ``warps_keys`` groups along the keys, the rest of the split along the queries of Sᵀ and the columns of dK, dV;
+    # ``warps_dq_rows`` groups along the queries of step 1g's dQ_i, the rest along its columns.
+    warps_keys: int = 0
+    warps_dq_rows: int = 0
 
     def __post_init__(self):
         if self.block_n not in (16, 32, 64, 128):
@@ -199,6 +221,30 @@ class TCBackwardConfig(HeadDimSlices):
             raise ValueError("kv_in_registers holds the whole head dim's fragments: it needs one slice (d_slice=0)")
         if not self.d_slice and self.d_pad > 128:
             raise ValueError(f"a padded head dim of {self.d_pad} needs d_slice (at most 128 columns per block)")
+        if self.warps_keys or self.warps_dq_rows:
+            self._check_grid()
+
+    def _check_grid(self):
+        """The grid layout's constraints: whole 16-row (16-column) fragment tiles for every warp."""
+        w, chunks, m16 = self.warps, self.d_pad // 16, self.block_m // 16
+        for name, groups in (("warps_keys", self.warps_keys), ("warps_dq_rows", self.warps_dq_rows)):
+            if groups <= 0 or w % groups:
+                raise ValueError(f"{name} must divide the {w} warps (grid layout), got {groups}")
+        cols = w // self.warps_keys  # Sᵀ query groups = dK/dV column groups
+        if m16 % cols or chunks % cols:
+            raise ValueError(f"warps_keys={self.warps_keys} leaves {cols} warps per key group: they must split the "
+                             f"{m16} 16-query and {chunks} 16-column tiles evenly")
+        dq_cols = w // self.warps_dq_rows
+        if m16 % self.warps_dq_rows or chunks % dq_cols:
+            raise ValueError(f"warps_dq_rows={self.warps_dq_rows}: {self.warps_dq_rows} × {dq_cols} warps must split "
+                             f"the {m16} 16-query and {chunks} 16-column tiles of dQ_i evenly")
+        if self.slices > 1 or self.kv_in_registers:
+            raise ValueError("the grid layout takes one slice (d_slice=0) and K/V re-read (kv_in_registers=False)")
+
+    @property
+    def grid(self) -> bool:
+        """The dK/dV kernel in FlashAttention-2's warp grid, Pᵀ and dSᵀ through shared memory."""
+        return self.warps_keys > 0
 
     @property
     def warps(self) -> int:
@@ -245,8 +291,10 @@ def shared_offsets(cfg: TCBackwardConfig, name: str) -> dict[str, int]:
         put("do", 2 * cfg.block_m * P)  # dO_i: two buffers
         put("lse2", 2 * cfg.block_m * 2)  # lse2 of Q_i's queries: two buffers of float32
         put("delta", 2 * cfg.block_m * 2)  # D of Q_i's queries: two buffers of float32
-        if name == "dkdv_atomic":
-            put("ds", cfg.block_n * cfg.ds_pitch)  # dSᵀ [key][query], 16-bit, for dQ_i += dS K_j
+        if cfg.grid:
+            put("p", cfg.block_n * cfg.ds_pitch)  # grid layout: Pᵀ [key][query], 16-bit, for dV_j += Pᵀ dO_i
+        if name == "dkdv_atomic" or cfg.grid:
+            put("ds", cfg.block_n * cfg.ds_pitch)  # dSᵀ [key][query], 16-bit, for dQ_i += dS K_j (and grid: dK_j)
     elif name == "dq":
         put("q", cfg.block_n * P)  # Q_i: the block's queries
         put("do", cfg.block_n * P)  # dO_i
@@ -340,6 +388,101 @@ def _make_row_product(groups: int, group: int, held: bool, b_tiles: int, pitch: 
     return device_function(row_product)
 
 
+def _make_tile_product(m_tiles: int, n_pairs: int, k_steps: int, a_trans: bool, b_trans: bool, a_steps, b_steps,
+                       mma_into):
+    """``tile_product(acc, af, smem, a_address, b_address)``: ``acc += A B`` for one warp's tile of
+    ``16 · m_tiles`` rows × ``16 · n_pairs`` columns over ``k_steps`` k-steps of 16, both operands in shared
+    memory — every product of the grid-layout dK/dV kernel.
+
+    ``acc[m · 2n_pairs + n]`` is the 16×8 accumulator tile of rows ``16m ..``, columns ``8n ..``.  ``a_address``
+    (``b_address``) is this lane's ``ldmatrix`` address of A's first 16-row tile (B's first 16 columns) at
+    k-step 0: by :func:`~nbflash.intrinsics.ldmatrix_x4` from the rows of A stored row-major (the lane address of
+    ``d_ldmatrix_x4_a_address``), or with ``a_trans`` by ``ldmatrix_x4_trans`` from A stored k-major (the
+    address of ``d_ldmatrix_x4_bt_address``); B by ``ldmatrix_x4`` from Bᵀ stored n-major (``bt`` address) or
+    with ``b_trans`` by ``ldmatrix_x4_trans`` from B stored k-major (``a`` address).  ``a_steps`` = (elements
+    to A's next 16 rows, to its next k-step), ``b_steps`` = (to B's next 16 columns, to its next k-step).
+    Per k-step: ``m_tiles + n_pairs`` ``ldmatrix.x4`` feed ``2 · m_tiles · n_pairs`` mma — the warp tile's
+    shape sets the shared-memory traffic per mma; ``af`` holds the step's A fragments (``m_tiles`` rows).
+
+    The k-steps are unrolled here, in Python: one device function per k-step (its offsets constants),
+    called in order.  As a loop over the k-steps, with the loads inside, NVVM kept it rolled (56 of the
+    kernel's 320 mma in the PTX at D = 128), each step's ``ldmatrix`` just before the mma that wait for it.
+    """
+    A_ROW, A_K = a_steps
+    B_COL, B_K = b_steps
+    N_TILES = 2 * n_pairs
+
+    def k_step(kk):
+        def one_step(acc, af, smem, a_address, b_address):
+            for m in range(m_tiles):
+                a_at = a_address + m * A_ROW + kk * A_K
+                f = I.ldmatrix_x4_trans(smem, a_at) if a_trans else I.ldmatrix_x4(smem, a_at)
+                for i in range(4):
+                    af[m, i] = f[i]
+            for n2 in range(n_pairs):
+                b_at = b_address + n2 * B_COL + kk * B_K
+                bf = I.ldmatrix_x4_trans(smem, b_at) if b_trans else I.ldmatrix_x4(smem, b_at)
+                for half in range(2):
+                    for m in range(m_tiles):
+                        mma_into(acc, m * N_TILES + 2 * n2 + half, af[m, 0], af[m, 1], af[m, 2], af[m, 3],
+                                 bf[2 * half], bf[2 * half + 1])
+
+        return device_function(one_step)
+
+    def then(first, second):
+        def both(acc, af, smem, a_address, b_address):
+            first(acc, af, smem, a_address, b_address)
+            second(acc, af, smem, a_address, b_address)
+
+        return device_function(both)
+
+    return functools.reduce(then, (k_step(kk) for kk in range(k_steps)))
+
+
+def _make_transposed_gradients(m_tiles: int, n_tiles: int):
+    """``transposed_gradients(S, dP, smem_f, lse_at, delta_at, key_g, query_t, masked, seqlen_q, seqlen_k, causal,
+    scale_log2)``: steps 1c–1d in place on a warp's accumulators of ``16 · m_tiles`` keys × ``8 · n_tiles``
+    queries (``S[m · n_tiles + n]`` as in :func:`_make_tile_product`): Sᵀ becomes
+    ``Pᵀ = exp2(Sᵀ · scale · log2 e − lse2_col)``, zero at invisible pairs, and dPᵀ becomes
+    ``dSᵀ = Pᵀ ∘ (dPᵀ − D_col)``.
+
+    Value i of tile (m, n) is key ``key_g + 16m + 8(i >> 1)`` (``key_g``: the key of the thread's row g in
+    the first tile) and query ``query_t + 8n + (i & 1)`` (``query_t``: the query of its column 2t), so lse2
+    and D are per *column*, read from ``smem_f[lse_at + 8n + (i & 1)]`` (``delta_at`` likewise).  ``masked``:
+    the block's tile pair needs the mask (:func:`~nbflash.masking.d_tile_needs_mask`); the row ends are then
+    computed here, on the few masked tiles.
+    """
+    u64 = numba.uint64
+    ZERO = numba.float32(0)
+
+    def transposed_gradients(S, dP, smem_f, lse_at, delta_at, key_g, query_t, masked, seqlen_q, seqlen_k, causal,
+                             scale_log2):
+        for n in range(n_tiles):
+            for c in range(2):
+                lse2_c = smem_f[lse_at + u64(8 * n + c)]
+                for m in range(m_tiles):
+                    for r in range(2):
+                        x = m * n_tiles + n
+                        S[x, 2 * r + c] = I.ex2_approx(S[x, 2 * r + c] * scale_log2 - lse2_c)
+        if masked:
+            for n in range(n_tiles):
+                for c in range(2):
+                    key_end = d_row_key_end(query_t + 8 * n + c, seqlen_q, seqlen_k, causal)
+                    for m in range(m_tiles):
+                        for r in range(2):
+                            if key_g + 16 * m + 8 * r >= key_end:  # past a ragged end, or above the diagonal
+                                S[m * n_tiles + n, 2 * r + c] = ZERO
+        for n in range(n_tiles):
+            for c in range(2):
+                delta_c = smem_f[delta_at + u64(8 * n + c)]
+                for m in range(m_tiles):
+                    for r in range(2):
+                        x = m * n_tiles + n
+                        dP[x, 2 * r + c] = S[x, 2 * r + c] * (dP[x, 2 * r + c] - delta_c)
+
+    return device_function(transposed_gradients)
+
+
 def _make_pair_storer(input_kind: str):
     """``store_pair(out, b, h, row, col, x, y)``: ``out[b, h, row, col : col + 2] = x, y`` in the input type.
 
@@ -366,6 +509,64 @@ def _make_pair_storer(input_kind: str):
     return device_function(store_pair)
 
 
+def _make_query_stream(cfg: TCBackwardConfig, name: str):
+    """Steps 1 and 1a of both dK/dV kernels, the copies of the streamed query tiles (layout of ``name``):
+
+    * ``first_tile(smem, smem_f, q, k, v, do, lse2, delta, b, h, k_start, seqlen_q, seqlen_k, causal, tid)``:
+      the block's range of query tiles (:func:`~nbflash.masking.d_query_range`) as ``(i_first, n_tiles)``,
+      after starting one ``cp.async`` group with K_j, V_j and tile ``i_first``'s Q, dO, lse2 and D;
+    * ``next_tile(smem, smem_f, q, do, lse2, delta, b, h, q_start, it, n_tiles, seqlen_q, tid)``: one group
+      with tile ``it + 1``'s into the other buffers (empty after the last tile) — to be called only after the
+      barrier that ends every warp's use of those buffers.
+
+    lse2 and D travel as 4-byte ``cp.async`` copies.  A row past ``seqlen_q`` gets 0, not lse2's +inf: its
+    Q and dO rows are zero-filled, so its Pᵀ column is exp2(0) = 1 but dPᵀ is 0, and it adds nothing to
+    dV (P·dO = 0), dSᵀ, dK or dQ.
+    """
+    BLOCK_M, BLOCK_N, THREADS = cfg.block_m, cfg.block_n, cfg.threads
+    off = shared_offsets(cfg, name)
+    K_OFF, V_OFF, Q_OFF, DO_OFF = off["k"], off["v"], off["q"], off["do"]
+    LSE_F, DELTA_F = off["lse2"] // 2, off["delta"] // 2  # float32 offsets of the lse2 and D buffers
+    QD_STRIDE = BLOCK_M * cfg.pitch  # elements from one Q (or dO) buffer to the other
+    copy_kv = _make_tile_copier(BLOCK_N, cfg)
+    copy_q = _make_tile_copier(BLOCK_M, cfg)
+
+    @device_function
+    def copy_row_values(smem_f, offset, src, b, h, start, seqlen, tid):
+        """``src[b, h, start : start + BLOCK_M]`` (lse2 or D of a query tile) to ``smem_f[offset:]``."""
+        for c in range(tid, BLOCK_M, THREADS):
+            row = start + c
+            inside = row < seqlen
+            I.cp_async_4(smem_f, offset + c, src, (b, h, row if inside else seqlen - 1), 4 if inside else 0)
+
+    @device_function
+    def copy_query_tile(smem, smem_f, q, do, lse2, delta, b, h, q_start, buf, seqlen_q, tid):
+        copy_q(smem, Q_OFF + buf * QD_STRIDE, q, b, h, q_start, seqlen_q, tid)
+        copy_q(smem, DO_OFF + buf * QD_STRIDE, do, b, h, q_start, seqlen_q, tid)
+        copy_row_values(smem_f, LSE_F + buf * BLOCK_M, lse2, b, h, q_start, seqlen_q, tid)
+        copy_row_values(smem_f, DELTA_F + buf * BLOCK_M, delta, b, h, q_start, seqlen_q, tid)
+
+    @device_function
+    def first_tile(smem, smem_f, q, k, v, do, lse2, delta, b, h, k_start, seqlen_q, seqlen_k, causal, tid):
+        q_begin, q_end = d_query_range(k_start, BLOCK_N, seqlen_q, seqlen_k, causal)
+        i_first = q_begin // BLOCK_M
+        n_tiles = (q_end + BLOCK_M - 1) // BLOCK_M - i_first
+        if n_tiles > 0:
+            copy_kv(smem, K_OFF, k, b, h, k_start, seqlen_k, tid)
+            copy_kv(smem, V_OFF, v, b, h, k_start, seqlen_k, tid)
+            copy_query_tile(smem, smem_f, q, do, lse2, delta, b, h, i_first * BLOCK_M, 0, seqlen_q, tid)
+        I.cp_async_commit()
+        return i_first, n_tiles
+
+    @device_function
+    def next_tile(smem, smem_f, q, do, lse2, delta, b, h, q_start, it, n_tiles, seqlen_q, tid):
+        if it + 1 < n_tiles:
+            copy_query_tile(smem, smem_f, q, do, lse2, delta, b, h, q_start + BLOCK_M, 1 - it % 2, seqlen_q, tid)
+        I.cp_async_commit()
+
+    return first_tile, next_tile
+
+
 # ----------------------------------------------------------------------------
 # Step 1: dK_j, dV_j (and, atomically, dQ), parallel over key tiles
 # ----------------------------------------------------------------------------
@@ -374,8 +575,10 @@ def _make_pair_storer(input_kind: str):
 @functools.cache
 def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
     """The compiled dK/dV kernel (step 1) for one configuration (cached); ``atomic_dq`` adds step 1g."""
+    if cfg.grid:
+        return _dkdv_grid_kernel(cfg, atomic_dq)
     BLOCK_M, BLOCK_N, D = cfg.block_m, cfg.block_n, cfg.head_dim
-    THREADS, WARPS, PITCH, DS_PITCH = cfg.threads, cfg.warps, cfg.pitch, cfg.ds_pitch
+    WARPS, PITCH, DS_PITCH = cfg.warps, cfg.pitch, cfg.ds_pitch
     SLICES, SLICE = cfg.slices, cfg.slice_cols  # blocks per key tile, and the gradient columns of each
     KV_IN_REGS, ATOMIC_DQ, VECTOR_RED = cfg.kv_in_registers, atomic_dq, cfg.vector_red
     off = shared_offsets(cfg, "dkdv_atomic" if atomic_dq else "dkdv")
@@ -410,22 +613,10 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
     SMEM_ALIGN = None if SIMULATOR else 16
     mma_into, pack_pair = _make_fragment_ops(cfg.input_kind)
     store_pair = _make_pair_storer(cfg.input_kind)
-    copy_kv = _make_tile_copier(BLOCK_N, cfg)
-    copy_q = _make_tile_copier(BLOCK_M, cfg)
+    first_tile, next_tile = _make_query_stream(cfg, "dkdv_atomic" if atomic_dq else "dkdv")
     row_product = _make_row_product(GROUPS, GROUP, KV_IN_REGS, M_STEPS, PITCH, mma_into)
+    transposed_gradients = _make_transposed_gradients(1, Q_TILES)
     block_tile = cfg.block_tile(BLOCK_N)
-
-    @device_function
-    def copy_row_values(smem_f, offset, src, b, h, start, seqlen, tid):
-        """``cp.async`` the float32 values ``src[b, h, start : start + BLOCK_M]`` (lse2 or D of a query tile) to
-        ``smem_f[offset:]``, in the group of the tile's rows.
-
-        A row past ``seqlen`` gets 0, not lse2's +inf: its Q and dO rows are zero-filled, so its Pᵀ column
-        is exp2(0) = 1 but dPᵀ is 0, and it adds nothing to dV (P·dO = 0), dSᵀ, dK or dQ."""
-        for c in range(tid, BLOCK_M, THREADS):
-            row = start + c
-            inside = row < seqlen
-            I.cp_async_4(smem_f, offset + c, src, (b, h, row if inside else seqlen - 1), 4 if inside else 0)
 
     @kernel(fastmath=True)
     def flash_backward_dkdv_tc(q, k, v, do, lse2, delta, dk, dv, dq_accum, qk_scale_log2, scale, causal):
@@ -471,18 +662,9 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
         dq_cols = I.global_address(dq_accum, (b, h, 0, 2 * t))
         dq_row_bytes = dq_accum.strides[2]
 
-        # Step 1: K_j, V_j and the first Q_i, dO_i, one cp.async group; lse2, D of tile i to shared.
-        q_begin, q_end = d_query_range(k_start, BLOCK_N, seqlen_q, seqlen_k, causal)
-        i_first = q_begin // BLOCK_M
-        n_tiles = (q_end + BLOCK_M - 1) // BLOCK_M - i_first
-        if n_tiles > 0:
-            copy_kv(smem, K_OFF, k, b, h, k_start, seqlen_k, tid)
-            copy_kv(smem, V_OFF, v, b, h, k_start, seqlen_k, tid)
-            copy_q(smem, Q_OFF, q, b, h, i_first * BLOCK_M, seqlen_q, tid)
-            copy_q(smem, DO_OFF, do, b, h, i_first * BLOCK_M, seqlen_q, tid)
-            copy_row_values(smem_f, LSE_F, lse2, b, h, i_first * BLOCK_M, seqlen_q, tid)
-            copy_row_values(smem_f, DELTA_F, delta, b, h, i_first * BLOCK_M, seqlen_q, tid)
-        I.cp_async_commit()
+        # Step 1: K_j, V_j and the first Q_i, dO_i with its lse2, D: one cp.async group.
+        i_first, n_tiles = first_tile(smem, smem_f, q, k, v, do, lse2, delta, b, h, k_start, seqlen_q, seqlen_k,
+                                      causal, tid)
 
         for it in range(n_tiles):
             q_start = (i_first + it) * BLOCK_M
@@ -493,13 +675,7 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
             cuda.syncthreads()
             # Step 1a: start the copy of Q_{i+1}, dO_{i+1} and their lse2, D into the other buffers, under this
             # tile's products.
-            if it + 1 < n_tiles:
-                nxt = 1 - buf
-                copy_q(smem, Q_OFF + nxt * QD_STRIDE, q, b, h, q_start + BLOCK_M, seqlen_q, tid)
-                copy_q(smem, DO_OFF + nxt * QD_STRIDE, do, b, h, q_start + BLOCK_M, seqlen_q, tid)
-                copy_row_values(smem_f, LSE_F + nxt * BLOCK_M, lse2, b, h, q_start + BLOCK_M, seqlen_q, tid)
-                copy_row_values(smem_f, DELTA_F + nxt * BLOCK_M, delta, b, h, q_start + BLOCK_M, seqlen_q, tid)
-            I.cp_async_commit()
+            next_tile(smem, smem_f, q, do, lse2, delta, b, h, q_start, it, n_tiles, seqlen_q, tid)
 
             # The warp's 16 rows of K_j and V_j into registers, once.
             if KV_IN_REGS and it == 0:
@@ -520,25 +696,10 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
 
             # Step 1c: Pᵀ = exp2(Sᵀ · scale · log2 e − lse2_col).  Value i of tile n: key g + 8(i >> 1),
             # query 8n + 2t + (i & 1).  Step 1d: dSᵀ = Pᵀ ∘ (dPᵀ − D_col), kept in dP.
-            lse_base = u64(LSE_F + buf * BLOCK_M + 2 * t)
-            delta_base = u64(DELTA_F + buf * BLOCK_M + 2 * t)
-            for n in range(Q_TILES):
-                for c in range(2):
-                    lse2_c = smem_f[lse_base + u64(8 * n + c)]
-                    for r in range(2):
-                        S[n, 2 * r + c] = I.ex2_approx(S[n, 2 * r + c] * scale_log2 - lse2_c)
-            if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
-                for n in range(Q_TILES):
-                    for c in range(2):
-                        key_end = d_row_key_end(q_start + 8 * n + 2 * t + c, seqlen_q, seqlen_k, causal)
-                        for r in range(2):
-                            if k_start + 16 * warp + g + 8 * r >= key_end:  # past a ragged end, or above the diagonal
-                                S[n, 2 * r + c] = ZERO
-            for n in range(Q_TILES):
-                for c in range(2):
-                    delta_c = smem_f[delta_base + u64(8 * n + c)]
-                    for r in range(2):
-                        dP[n, 2 * r + c] = S[n, 2 * r + c] * (dP[n, 2 * r + c] - delta_c)
+            masked = d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal)
+            cols_at = buf * BLOCK_M + 2 * t  # lse2, D of query 2t in this tile's buffers
+            transposed_gradients(S, dP, smem_f, u64(LSE_F + cols_at), u64(DELTA_F + cols_at), k_start + 16 * warp + g,
+                                 q_start + 2 * t, masked, seqlen_q, seqlen_k, causal, scale_log2)
 
             # Step 1e: dV_j += Pᵀ dO_i.  The A-fragment of queries 16kk .. 16kk + 15 is accumulator
             # tiles 2kk, 2kk + 1 packed (rows g, g + 8; columns 2t, 2t + 1).
@@ -629,6 +790,196 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
                     store_pair(dv, b, h, key, col, dV[n, 2 * r], dV[n, 2 * r + 1])
 
     return flash_backward_dkdv_tc
+
+
+def _dkdv_grid_kernel(cfg: TCBackwardConfig, atomic_dq: bool):
+    """Step 1 in FlashAttention-2's warp grid (``cfg.grid``): every product a 2-D warp tile from shared memory.
+
+    In the register layout a warp owns 16 keys and all of every product's other side, so each ``ldmatrix``
+    of a B operand feeds 2 mma (16 × 16 warp tiles in k-steps: 0.625 ``ldmatrix.x4`` per mma at D = 128,
+    128 keys × 64 queries, atomic).  Here the ``WARPS`` warps form a ``WK × WC`` grid: warp (wk, wc) owns
+    keys ``KEYS_W · wk ..`` (``KT`` 16-key tiles) and, of Sᵀ and dPᵀ, the queries ``QW · wc ..``; of dK and dV
+    the columns ``COLS_W · wc ..``; of step 1g's dQ_i (a ``WQ × WDQ`` grid) queries × columns again — 32 × 32
+    tiles at D = 128, 0.45 ``ldmatrix.x4`` per mma.  The price: Pᵀ and dSᵀ leave the warp that computed them,
+    through shared memory, and one more barrier per tile.  Per query tile i:
+
+    a. wait for tile i's copies; barrier; start tile i + 1's (as in the register layout);
+    b. ``Sᵀ = K_j Q_iᵀ``, ``dPᵀ = V_j dO_iᵀ`` on the warp's keys × queries;
+    c–d. ``Pᵀ``, masked, and ``dSᵀ = Pᵀ ∘ (dPᵀ − D_col)`` (:func:`_make_transposed_gradients`), packed to
+       16 bits into the shared ``[key][query]`` tiles Pᵀ and dSᵀ; barrier;
+    e–f. ``dV_j += Pᵀ dO_i`` and ``dK_j += dSᵀ Q_i`` on the warp's keys × columns: A = rows of the shared
+       Pᵀ (dSᵀ) by ``ldmatrix``, B = dO_i (Q_i) by ``ldmatrix.trans``;
+    g. *atomic:* ``dQ_i += dS K_j`` on the warp's queries × columns, A = dS by ``ldmatrix.trans`` of dSᵀ,
+       added into the float32 accumulator by ``red.global.add``.
+
+    The next tile's first barrier ends every warp's reads of Pᵀ, dSᵀ and of tile i's buffers before either
+    is written again.
+    """
+    BLOCK_M, BLOCK_N, D = cfg.block_m, cfg.block_n, cfg.head_dim
+    WARPS, PITCH, DS_PITCH = cfg.warps, cfg.pitch, cfg.ds_pitch
+    ATOMIC_DQ, VECTOR_RED = atomic_dq, cfg.vector_red
+    off = shared_offsets(cfg, "dkdv_atomic" if atomic_dq else "dkdv")
+    K_OFF, V_OFF, Q_OFF, DO_OFF, P_OFF, DS_OFF = off["k"], off["v"], off["q"], off["do"], off["p"], off["ds"]
+    QD_STRIDE = BLOCK_M * PITCH  # elements from one Q (or dO) buffer to the other
+    LSE_F, DELTA_F = off["lse2"] // 2, off["delta"] // 2  # float32 offsets of the lse2 and D buffers
+    CHUNKS = cfg.d_pad // 16  # 16-column tiles of the padded head dim
+    WK = cfg.warps_keys  # warp grid of steps b–f: key groups ...
+    WC = WARPS // WK  # ... × query (Sᵀ) or column (dK, dV) groups
+    KT = BLOCK_N // WK // 16  # 16-key tiles of a warp
+    QP = BLOCK_M // WC // 16  # 16-query tiles of a warp's Sᵀ, dPᵀ (two 8-column accumulator tiles each)
+    CP = CHUNKS // WC  # 16-column tiles of a warp's dK, dV
+    WQ = cfg.warps_dq_rows  # warp grid of step g: query groups ...
+    WDQ = WARPS // WQ  # ... × column groups
+    QTQ = BLOCK_M // WQ // 16  # 16-query tiles of a warp's dQ_i
+    CPQ = CHUNKS // WDQ  # 16-column tiles of a warp's dQ_i
+    K_STEPS, M_STEPS, N_STEPS = CHUNKS, BLOCK_M // 16, BLOCK_N // 16  # k-steps of Sᵀ/dPᵀ, dV/dK, dQ
+    AF_ROWS = max(KT, QTQ)  # A-fragment tiles of one k-step, for the largest product
+    S_TILES, KV_TILES, DQ_TILES = KT * 2 * QP, KT * 2 * CP, QTQ * 2 * CPQ  # 16×8 accumulator tiles of a warp
+    PADDED = cfg.d_pad > D  # some gradient columns are padding: not written
+    TILE_BYTES = 8 * 4  # float32 dQ: from a column of one 8-column tile to the same column of the next
+    ZERO = numba.float32(0)
+    u32, u64 = numba.uint32, numba.uint64
+    SMEM_ALIGN = None if SIMULATOR else 16
+    mma_into, pack_pair = _make_fragment_ops(cfg.input_kind)
+    store_pair = _make_pair_storer(cfg.input_kind)
+    first_tile, next_tile = _make_query_stream(cfg, "dkdv_atomic" if atomic_dq else "dkdv")
+    # Sᵀ = K Qᵀ, dPᵀ = V dOᵀ: A = K (V) rows, B = Q (dO) rows; k = the head dim.
+    s_product = _make_tile_product(KT, QP, K_STEPS, False, False, (16 * PITCH, 16), (16 * PITCH, 16), mma_into)
+    # dV += Pᵀ dO, dK += dSᵀ Q: A = rows of the shared [key][query] tile, B = dO (Q) k-major; k = the queries.
+    kv_product = _make_tile_product(KT, CP, M_STEPS, False, True, (16 * DS_PITCH, 16), (16, 16 * PITCH), mma_into)
+    # dQ += dS K: A = dS, k-major in the dSᵀ tile; B = K k-major; k = the keys.
+    dq_product = _make_tile_product(QTQ, CPQ, N_STEPS, True, True, (16, 16 * DS_PITCH), (16, 16 * PITCH), mma_into)
+    transposed_gradients = _make_transposed_gradients(KT, 2 * QP)
+    block_tile = cfg.block_tile(BLOCK_N)
+
+    @kernel(fastmath=True)
+    def flash_backward_dkdv_grid_tc(q, k, v, do, lse2, delta, dk, dv, dq_accum, qk_scale_log2, scale, causal):
+        """One block: dK_j and dV_j for BLOCK_N keys of one (batch, head), the warps in a grid."""
+        seqlen_q = q.shape[2]
+        seqlen_k = k.shape[2]
+        k_start, _ = block_tile()  # one slice: the first column is 0
+        h = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        tid = numba.int64(u32(cuda.threadIdx.x))  # known ≥ 0: no sign fix-ups in // and % below
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4  # this thread's rows of every fragment: g and g + 8 of each 16-row tile ...
+        t = lane % 4  # ... and columns 2t, 2t + 1 of every 8-column tile
+        key0 = 16 * KT * (warp // WC)  # the warp's first key (tile-local) ...
+        qry0 = 16 * QP * (warp % WC)  # ... its first query of Sᵀ, dPᵀ ...
+        col0 = 16 * CP * (warp % WC)  # ... its first column of dK, dV ...
+        dq_q0 = 16 * QTQ * (warp // WDQ)  # ... and its first query and column of dQ_i
+        dq_c0 = 16 * CPQ * (warp % WDQ)
+        smem = cuda.shared.array(0, numba.uint16, alignment=SMEM_ALIGN)
+        smem32 = cuda.shared.array(0, numba.uint32, alignment=SMEM_ALIGN)
+        smem_f = cuda.shared.array(0, numba.float32, alignment=SMEM_ALIGN)
+
+        af = cuda.local.array((AF_ROWS, 4), numba.uint32)  # one k-step's A fragments
+        S = cuda.local.array((S_TILES, 4), numba.float32)  # Sᵀ, then Pᵀ
+        dP = cuda.local.array((S_TILES, 4), numba.float32)  # dPᵀ, then dSᵀ
+        dK = cuda.local.array((KV_TILES, 4), numba.float32)
+        dV = cuda.local.array((KV_TILES, 4), numba.float32)
+        dQ = cuda.local.array((DQ_TILES, 4), numba.float32)  # step g
+        for n in range(KV_TILES):
+            for i in range(4):
+                dK[n, i] = ZERO
+                dV[n, i] = ZERO
+        scale_log2 = numba.float32(qk_scale_log2)
+
+        # This lane's ldmatrix addresses (see nbflash.intrinsics) at each product's first tile and k-step.
+        a_row, a_col = I.d_ldmatrix_x4_a_address(lane)
+        bt_row, bt_col = I.d_ldmatrix_x4_bt_address(lane)
+        k_at = K_OFF + (key0 + a_row) * PITCH + a_col  # A of Sᵀ: the warp's K rows
+        v_at = V_OFF + (key0 + a_row) * PITCH + a_col  # A of dPᵀ
+        qt_at = (qry0 + bt_row) * PITCH + bt_col  # B of Sᵀ, dPᵀ: the warp's Q (dO) rows, from a buffer's start
+        p_at = P_OFF + (key0 + a_row) * DS_PITCH + a_col  # A of dV: the warp's rows of Pᵀ
+        ds_at = DS_OFF + (key0 + a_row) * DS_PITCH + a_col  # A of dK: of dSᵀ
+        qk_at = a_row * PITCH + col0 + a_col  # B of dV, dK: dO (Q), k-major, from a buffer's start
+        dst_at = DS_OFF + bt_row * DS_PITCH + dq_q0 + bt_col  # A of dQ: dS by transposing dSᵀ
+        kd_at = K_OFF + a_row * PITCH + dq_c0 + a_col  # B of dQ: K, k-major
+        # Step g's global byte address of dq_accum[b, h, 0, 2t], and the bytes from one query row to the next.
+        dq_cols = I.global_address(dq_accum, (b, h, 0, 2 * t))
+        dq_row_bytes = dq_accum.strides[2]
+
+        # K_j, V_j and the first Q_i, dO_i with its lse2, D: one cp.async group.
+        i_first, n_tiles = first_tile(smem, smem_f, q, k, v, do, lse2, delta, b, h, k_start, seqlen_q, seqlen_k,
+                                      causal, tid)
+
+        for it in range(n_tiles):
+            q_start = (i_first + it) * BLOCK_M
+            buf = it % 2
+            I.cp_async_wait_all()  # this thread's copies of tile i, started one tile earlier (or before the loop)
+            # Step a: every thread's copies of tile i are visible, and every warp is done with tile i - 1 — its
+            # buffers, refilled just below, and the shared Pᵀ, dSᵀ, rewritten in step d.
+            cuda.syncthreads()
+            next_tile(smem, smem_f, q, do, lse2, delta, b, h, q_start, it, n_tiles, seqlen_q, tid)
+            q_base = Q_OFF + buf * QD_STRIDE
+            do_base = DO_OFF + buf * QD_STRIDE
+
+            # Step b: Sᵀ and dPᵀ on the warp's keys × queries.
+            for n in range(S_TILES):
+                for i in range(4):
+                    S[n, i] = ZERO
+                    dP[n, i] = ZERO
+            s_product(S, af, smem, k_at, q_base + qt_at)
+            s_product(dP, af, smem, v_at, do_base + qt_at)
+
+            # Steps c–d: Pᵀ and dSᵀ, then both to the shared [key][query] tiles as packed 16-bit pairs (row
+            # g or g + 8 of tile (m, n), columns 2t, 2t + 1: one 32-bit word).
+            masked = d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal)
+            cols_at = buf * BLOCK_M + qry0 + 2 * t
+            transposed_gradients(S, dP, smem_f, u64(LSE_F + cols_at), u64(DELTA_F + cols_at), k_start + key0 + g,
+                                 q_start + qry0 + 2 * t, masked, seqlen_q, seqlen_k, causal, scale_log2)
+            for m in range(KT):
+                for r in range(2):
+                    word = u64((key0 + 16 * m + g + 8 * r) * DS_PITCH + qry0 + 2 * t) // u64(2)
+                    for n in range(2 * QP):
+                        smem32[u64(P_OFF // 2) + word + u64(4 * n)] = pack_pair(S, m * 2 * QP + n, 2 * r)
+                        smem32[u64(DS_OFF // 2) + word + u64(4 * n)] = pack_pair(dP, m * 2 * QP + n, 2 * r)
+            cuda.syncthreads()  # steps e–g read rows and columns of Pᵀ and dSᵀ that other warps wrote
+
+            # Steps e–f: dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i on the warp's keys × columns.
+            kv_product(dV, af, smem, p_at, do_base + qk_at)
+            kv_product(dK, af, smem, ds_at, q_base + qk_at)
+
+            if ATOMIC_DQ:
+                # Step g: dQ_i += dS K_j on the warp's queries × columns, added into dQ's float32 accumulator.
+                for n in range(DQ_TILES):
+                    for i in range(4):
+                        dQ[n, i] = ZERO
+                dq_product(dQ, af, smem, dst_at, kd_at)
+                for m in range(QTQ):
+                    for r in range(2):
+                        row = q_start + dq_q0 + 16 * m + g + 8 * r
+                        if row < seqlen_q:
+                            addr = dq_cols + row * dq_row_bytes + 4 * dq_c0
+                            for n in range(2 * CPQ):
+                                if PADDED and dq_c0 + 8 * n >= D:
+                                    continue  # head-dim padding: dq_accum has D columns
+                                x = m * 2 * CPQ + n
+                                if VECTOR_RED:
+                                    I.red_add_f32x2(addr + n * TILE_BYTES, dQ[x, 2 * r], dQ[x, 2 * r + 1])
+                                else:
+                                    I.red_add_f32(addr + n * TILE_BYTES, dQ[x, 2 * r])
+                                    I.red_add_f32(addr + n * TILE_BYTES + 4, dQ[x, 2 * r + 1])
+
+        I.cp_async_wait_all()  # nothing left in flight (also when no query tile sees these keys)
+
+        # dK_j · scale and dV_j, written once.
+        sc = numba.float32(scale)
+        for m in range(KT):
+            for r in range(2):
+                key = k_start + key0 + 16 * m + g + 8 * r
+                if key < seqlen_k:
+                    for n in range(2 * CP):
+                        if PADDED and col0 + 8 * n >= D:
+                            continue  # head-dim padding (D is a multiple of 8: a tile is data or padding)
+                        col = col0 + 8 * n + 2 * t
+                        x = m * 2 * CP + n
+                        store_pair(dk, b, h, key, col, dK[x, 2 * r] * sc, dK[x, 2 * r + 1] * sc)
+                        store_pair(dv, b, h, key, col, dV[x, 2 * r], dV[x, 2 * r + 1])
+
+    return flash_backward_dkdv_grid_tc
 
 
 # ----------------------------------------------------------------------------
@@ -837,8 +1188,18 @@ def choose_config(
     step 1a, at D = 128 (bf16, N = 1k / 4k / 16k non-causal,
     ``tc-backward-…-2026-12-01-one-barrier.json``): 180 / 234 / 252 TFLOP/s,
     against 169 / 210 / 225 with the 64 × 64 tiles and 184 / 213 / 220 for
-    the deterministic route.  Where a GPU allows less shared memory per
-    block, the atomic route keeps the deterministic route's tiles.
+    the deterministic route.  Since this session's grid layout
+    (``tc-backward-NVIDIA-H200-2026-12-02-grid.json``, bf16, N = 1k / 4k / 16k),
+    the same tiles with the dK/dV kernel's warps in FlashAttention-2's grid
+    (``warps_keys=4``, ``warps_dq_rows=2``; 177 KB): 189 / 249 / 270 TFLOP/s
+    non-causal and 133 / 213 / 266 causal at D = 128, against 178 / 231 / 249
+    and 126 / 199 / 247 for the register layout in the same run (+5–9 %).  It
+    takes head dims whose 16-column tiles the warps split evenly (padded 96:
+    ``warps_dq_rows=4``; 80 and 112 keep the register layout).  At D = 64 the
+    grid's atomic route measured 4–9 % slower than the register layout's
+    64 × 64 one, which stays.
+    Where a GPU allows less shared memory per block, the atomic route falls back to the
+    register layout's 64 × 128 tiles, then to the deterministic route's.
 
     Above a padded D of 128: the head dim in as few slices of at most 128
     columns as cover it, and 128 keys × 32 queries per dK/dV block (8 warps;
@@ -895,9 +1256,14 @@ def _choose_config(
                 break
         return cfg
     if atomic and d_pad > 64:
-        cfg = TCBackwardConfig(64, 128, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red)
-        if max_shared is None or shared_bytes(cfg, "dkdv_atomic") <= max_shared:
-            return cfg
+        chunks = d_pad // 16
+        candidates = [TCBackwardConfig(64, 128, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red)]
+        if chunks % 2 == 0:  # FlashAttention-2's warp grid where its warps split the head dim evenly
+            grid = dict(warps_keys=4, warps_dq_rows=2 if chunks % 4 == 0 else 4)
+            candidates.insert(0, dataclasses.replace(candidates[0], **grid))
+        for cfg in candidates:
+            if max_shared is None or shared_bytes(cfg, "dkdv_atomic") <= max_shared:
+                return cfg
     cfg = TCBackwardConfig(64, 64, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red)
     if max_shared is not None and max(shared_bytes(cfg, name) for name in KERNELS) > max_shared:
         cfg = TCBackwardConfig(32, 64, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red)
@@ -1035,6 +1401,10 @@ def compile_targets(cc: tuple[int, int] = (9, 0)):
             targets += [(name, cfg) for name in KERNELS if name != "dkdv_atomic" or atomic == cfg]
             if atomic != cfg:
                 targets.append(("dkdv_atomic", atomic))
+    for d in (64, 128):  # the grid layout's dK/dV kernel, 8 warps (one kind: the types change only the mma)
+        grid = TCBackwardConfig(64, 128, d, "bfloat16", kv_in_registers=False, vector_red=cc >= (9, 0),
+                                warps_keys=4, warps_dq_rows=2)
+        targets += [(name, grid) for name in ("dkdv", "dkdv_atomic") if (name, grid) not in targets]
     return [
         (f"flash_backward_{name}_tc", cfg, _kernel(cfg, name), kernel_signature(cfg, name), True)
         for name, cfg in targets

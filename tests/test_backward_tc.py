@@ -182,15 +182,44 @@ def lagging_warp(monkeypatch):
         monkeypatch.setattr(I, name, lagging(getattr(I, name)))
 
 
+# The dK/dV kernel in FlashAttention-2's warp grid (TCBackwardConfig.warps_keys): (kind, deterministic, causal,
+# seqlen_q, seqlen_k, head dim, block_m, block_n, warps_keys, warps_dq_rows).  4 warps in the simulator.
+GRID = [
+    ("bfloat16", False, True, 70, 45, 32, 32, 64, 2, 2),  # 2 × 2 warps: 32 keys × 16 queries (Sᵀ), × 16 columns
+    ("float16", True, True, 45, 70, 32, 32, 64, 2, 2),  # deterministic: the dQ kernel after the grid dK/dV kernel
+    ("float16", False, False, 37, 50, 32, 32, 64, 4, 2),  # 4 × 1: a warp's Sᵀ spans the tile's queries
+    ("bfloat16", False, True, 50, 37, 40, 64, 64, 4, 4),  # D = 40 padded to 48: three column tiles, one half padding
+]
+
+
+@pytest.mark.parametrize("kind,deterministic,causal,n_q,n_k,d,block_m,block_n,warps_keys,warps_dq_rows", GRID,
+                         ids=[f"{c[0]}-{'det' if c[1] else 'atomic'}-{'causal' if c[2] else 'full'}-{c[3]}x{c[4]}"
+                              f"-D{c[5]}-{c[6]}x{c[7]}g{c[8]}{c[9]}" for c in GRID])
+def test_backward_tc_grid_layout(xp, rng, kind, deterministic, causal, n_q, n_k, d, block_m, block_n, warps_keys,
+                                 warps_dq_rows):
+    cfg = T.TCBackwardConfig(block_m, block_n, d, kind, kv_in_registers=False, warps_keys=warps_keys,
+                             warps_dq_rows=warps_dq_rows)
+    assert cfg.grid
+    got, values, scale = run_backward(xp, rng, n_q, n_k, d, kind, causal, deterministic, heads=1, cfg=cfg)
+    check_against_reference(got, values, scale, causal, kind)
+
+
+@pytest.mark.parametrize("layout", ["registers", "grid"])
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
-def test_backward_tc_one_barrier_schedule(xp, rng, lagging_warp, deterministic):
+def test_backward_tc_one_barrier_schedule(xp, rng, lagging_warp, deterministic, layout):
     """Both kernels' one-barrier-per-tile schedule: a tile's copies (rows, and lse2, D) start right after the
     barrier that ends every warp's use of the buffer they refill, and a tile is read only after its wait and
     barrier.  Copies land late (NaN until their wait) and one warp lags, so either mistake gives NaN or stale
     gradients.  Ragged and causal, sized so that each kernel's lagging warp has real rows in a block of three
     or more tiles: 4 query tiles for the first key block, 4 key tiles for the last query block (a row past
-    the end of the last query tile gets lse2 = 0: it must still add nothing)."""
-    got, values, scale = run_backward(xp, rng, 61, 50, 16, "bfloat16", True, deterministic)
+    the end of the last query tile gets lse2 = 0: it must still add nothing).  The grid layout's dK/dV kernel
+    has a second barrier per tile (Pᵀ, dSᵀ through shared memory): a warp that ran ahead into the next
+    tile's step d, or read them before every warp wrote them, would corrupt dK, dV and dQ."""
+    cfg, n_q, d = None, 61, 16
+    if layout == "grid":  # 2 × 2 warps over 64 keys × 32 queries: queries 50..99 in 3 tiles for the one key block
+        cfg = T.TCBackwardConfig(32, 64, 32, "bfloat16", kv_in_registers=False, warps_keys=2, warps_dq_rows=2)
+        n_q, d = 100, 32
+    got, values, scale = run_backward(xp, rng, n_q, 50, d, "bfloat16", True, deterministic, cfg=cfg)
     check_against_reference(got, values, scale, True, "bfloat16")
 
 
@@ -268,6 +297,20 @@ def test_config_and_can_implement():
                 dict(d_slice=144), dict(input_kind="float32")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             T.TCBackwardConfig(**{**dict(block_m=16, block_n=32, head_dim=64, input_kind="float16"), **bad})
+    # The grid layout: whole fragment tiles for every warp of both grids, one slice, K/V re-read.
+    grid = dict(block_m=64, block_n=128, head_dim=128, input_kind="bfloat16", kv_in_registers=False)
+    for bad, match in ((dict(warps_keys=3, warps_dq_rows=2), "warps_keys must divide"),
+                       (dict(warps_keys=4, warps_dq_rows=0), "warps_dq_rows must divide"),
+                       (dict(warps_keys=1, warps_dq_rows=2), "split the 4 16-query and 8 16-column"),
+                       (dict(warps_keys=4, warps_dq_rows=8), "warps_dq_rows=8"),
+                       (dict(warps_keys=4, warps_dq_rows=2, head_dim=40), "3 16-column"),
+                       (dict(warps_keys=4, warps_dq_rows=2, kv_in_registers=True), "one slice")):
+        with pytest.raises(ValueError, match=match):
+            T.TCBackwardConfig(**{**grid, **bad})
+    fa2 = T.TCBackwardConfig(**grid, warps_keys=4, warps_dq_rows=2)
+    assert fa2.grid and not T.TCBackwardConfig(**grid).grid
+    # K, V: 2 · 128 · 136; Q, dO: 2 · 2 · 64 · 136; lse2, D: 2 · 2 · 64 floats; Pᵀ, dSᵀ: 2 · 128 · 72 (16-bit)
+    assert [T.shared_bytes(fa2, n) for n in ("dkdv", "dkdv_atomic")] == [177152, 177152]
     with pytest.raises(ValueError, match="needs d_slice"):  # more than 128 gradient columns per block
         T.TCBackwardConfig(16, 32, 144, "float16", kv_in_registers=False)
     with pytest.raises(ValueError, match="one slice"):
@@ -316,7 +359,16 @@ def test_config_and_can_implement():
     a64, a128 = (T.choose_config(d, "bfloat16", simulator=False, cc=(9, 0), max_shared=227 * 1024, atomic=True)
                  for d in (64, 128))
     assert (a64.block_m, a64.block_n, a128.block_m, a128.block_n) == (64, 64, 64, 128)
-    assert T.shared_bytes(a128, "dkdv_atomic") == 158720  # K, V: 2 · 128 · 136; Q, dO: 2 · 2 · 64 · 136; dSᵀ 128 · 72
+    assert not a64.grid and (a128.warps_keys, a128.warps_dq_rows) == (4, 2)  # FlashAttention-2's warp grid
+    assert T.shared_bytes(a128, "dkdv_atomic") == 177152
+    # Padded 96: 6 column tiles, dQ's warps 4 × 2; padded 80 (5 tiles) cannot be split: the register layout.
+    a96, a72 = (T.choose_config(d, "bfloat16", simulator=False, cc=(9, 0), max_shared=227 * 1024, atomic=True)
+                for d in (96, 72))
+    assert (a96.warps_keys, a96.warps_dq_rows) == (4, 4) and not a72.grid and a72.block_n == 128
+    # Less shared memory (A100: 163 KB): the register layout's 64 × 128 tiles (155 KB), then the 64 × 64 ones.
+    a100 = T.choose_config(128, "bfloat16", simulator=False, cc=(8, 0), max_shared=163 * 1024, atomic=True)
+    assert not a100.grid and a100.block_n == 128
+    assert T.shared_bytes(a100, "dkdv_atomic") == 158720  # K, V: 2 · 128 · 136; Q, dO: 2 · 2 · 64 · 136; dSᵀ 128 · 72
     fallback = T.choose_config(128, "bfloat16", simulator=False, cc=(8, 0), max_shared=150 * 1024, atomic=True)
     assert fallback == T.choose_config(128, "bfloat16", simulator=False, cc=(8, 0), max_shared=150 * 1024)
     # Vector reductions for the atomic dQ from sm_90 on; the simulator (no compute capability) takes the scalar ones.
@@ -341,7 +393,8 @@ for i, (cc, (name, cfg, kern, sig, fastmath)) in enumerate(jobs):
     info = ptxas_info(ptx, f"sm_{cc}")
     print(json.dumps(dict(kernel=name, sm=cc, head_dim=cfg.head_dim, d_pad=cfg.d_pad, slice_cols=cfg.slice_cols,
                           kind=cfg.input_kind,
-                          block_m=cfg.block_m, block_n=cfg.block_n, vector_red=cfg.vector_red,
+                          block_m=cfg.block_m, block_n=cfg.block_n, vector_red=cfg.vector_red, grid=cfg.grid,
+                          warps=cfg.warps,
                           local=len(re.findall(r"\b(?:ld|st)\.local\b", ptx)),
                           regs=info["registers"], spill_bytes=info["spill_bytes"],
                           mma=ptx.count("mma.sync.aligned.m16n8k16"),
@@ -385,6 +438,10 @@ def test_backward_tc_compiles_for_sm80_sm90_in_registers():
                 assert row["mma"] == 2 * (keys // 8) * (d_pad // 16) + (-(-d // 8)) * (keys // 16), row
             else:  # slices: each group of k-steps (one slice wide) unrolled, the loop over groups kept
                 assert row["mma"] == 2 * (keys // 8) * (cols // 16) + (cols // 8) * (keys // 16), row
+        if row["grid"]:  # every k-step unrolled (one device function each): the warp's share of every product
+            m16, n16, d16 = row["block_m"] // 16, row["block_n"] // 16, d_pad // 16
+            products = 4 * n16 * m16 * d16 + (m16 * d16 * n16 if row["kernel"].endswith("atomic_tc") else 0)
+            assert row["mma"] == 2 * products // row["warps"], row  # two m16n8k16 per 16 × 16 × 16 piece
         # Atomic dQ by global reductions only (no generic-address atom): v2 pairs on sm_90, scalars on sm_80.
         assert row["atom"] == 0, row
         assert row["vector_red"] == (row["sm"] >= 90), row

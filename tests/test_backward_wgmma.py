@@ -143,11 +143,14 @@ def test_api_backward_wgmma(xp, rng):
         np.testing.assert_allclose(host(g).astype(np.float32), host(w).astype(np.float32), atol=4e-3, rtol=2e-2)
 
 
-@pytest.mark.parametrize("backend,default", [("simt", False), ("tensor_core", True), ("wgmma", True)])
-def test_default_dq_route(monkeypatch, backend, default):
+@pytest.mark.parametrize("backend,head_dim,default", [("simt", 16, False), ("tensor_core", 16, True),
+                                                      ("tensor_core", 64, True), ("tensor_core", 72, False),
+                                                      ("tensor_core", 128, False), ("wgmma", 16, True)])
+def test_default_dq_route(monkeypatch, backend, head_dim, default):
     """``deterministic=None`` takes the dQ route ``attention_backward`` documents for each kernel family (atomic for
-    SIMT; deterministic for the tensor cores and for wgmma, whose atomic route measured slower), and an explicit
-    ``True``/``False`` reaches the launcher as given (wgmma: where the configuration has the atomic route)."""
+    SIMT; for mma.sync deterministic up to a padded D of 64 and atomic above, as measured; deterministic for wgmma,
+    whose atomic route measured slower), and an explicit ``True``/``False`` reaches the launcher as given (wgmma:
+    where the configuration has the atomic route)."""
     api = nbflash.api
     seen = []
 
@@ -158,7 +161,7 @@ def test_default_dq_route(monkeypatch, backend, default):
     monkeypatch.setattr(api._bwd_tc, "launch_backward_tc", record)
     monkeypatch.setattr(api._bwd_wg, "launch_backward_wgmma", record)
     monkeypatch.setattr(api._bwd_wg, "can_implement", lambda *a, **kw: (True, ""))
-    cfg = {"simt": object(), "tensor_core": nbflash.backward_tc.TCBackwardConfig(16, 32, 16, "float16"),
+    cfg = {"simt": object(), "tensor_core": nbflash.backward_tc.TCBackwardConfig(16, 32, head_dim, "float16"),
            "wgmma": B.WGBackwardConfig(64, 64, 16, "float16")}[backend]
     plan = api.Plan(backend, cfg, "test")
     x = np.zeros((1, 1, 4, 16), np.float16)
@@ -175,7 +178,7 @@ def test_config_validation():
             B.WGBackwardConfig(**args)
     with pytest.raises(ValueError, match="needs d_slice"):
         B.WGBackwardConfig(64, 16, 136, "float16")
-    # Above D = 128: two slices of 128 columns; auto keeps the mma.sync backward there until timed.
+    # Above D = 128: two slices of 128 columns; auto keeps the mma.sync backward there (measured faster).
     big = B.choose_config(256, "bfloat16", simulator=False)
     assert (big.block_m, big.block_n, big.d_slice, big.slices, big.d_smem) == (64, 64, 128, 2, 256)
     assert B.shared_bytes(big) == 192 * 1024 + 2 * 2 * 64 * 4

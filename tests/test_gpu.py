@@ -33,15 +33,20 @@ def _torch_ref(q, k, v, do, causal, dtype):
     return o.detach().double(), qt.grad.double(), kt.grad.double(), vt.grad.double()
 
 
-@pytest.mark.parametrize("n,d,causal", [(1025, 64, True), (2048, 128, False), (4096, 64, True), (4096, 128, True)])
-@pytest.mark.parametrize("deterministic", [True, False])
-def test_backward_flash_attn_rule_fp16(n, d, causal, deterministic):
+@pytest.mark.parametrize("backend", ["auto", "tensor_core"])
+@pytest.mark.parametrize("n,d,causal", [(1025, 64, True), (2048, 128, False), (4096, 64, True), (4096, 128, True),
+                                        (1025, 96, False)])
+@pytest.mark.parametrize("deterministic", [True, False, None])
+def test_backward_flash_attn_rule_fp16(n, d, causal, deterministic, backend):
+    """Every dQ route of the default backward (wgmma on Hopper) and of the mma.sync one (``tensor_core``: above
+    D = 64 its atomic route runs the dK/dV kernel in FlashAttention-2's warp grid, the default there)."""
     import cupy as cp
     import torch
 
     q, k, v, do = (cp.random.standard_normal((1, 2, n, d)).astype(cp.float16) for _ in range(4))
     o, lse = nbflash.attention(q, k, v, causal=causal, return_lse=True)
-    dq, dk, dv = nbflash.attention_backward(do, q, k, v, o, lse, causal=causal, deterministic=deterministic)
+    dq, dk, dv = nbflash.attention_backward(do, q, k, v, o, lse, causal=causal, deterministic=deterministic,
+                                            backend=backend)
     ref = _torch_ref(q, k, v, do, causal, torch.float64)
     naive = _torch_ref(q, k, v, do, causal, torch.float16)
     for name, got, r, nv in zip(("o", "dq", "dk", "dv"), (o, dq, dk, dv), ref, naive, strict=True):
@@ -105,26 +110,31 @@ def test_dynamic_shared_memory_limit_was_raised():
     assert limits and all(limit >= shared_bytes(cfg) for limit in limits)
 
 
+@pytest.mark.parametrize("backend", ["tensor_core", "wgmma"])
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
 @pytest.mark.parametrize(
     "n_q,n_k,d,causal",
     [(97, 97, 40, True), (200, 131, 96, False), (1025, 1025, 160, True), (128, 200, 256, False),
-     (1025, 1025, 256, True), (2048, 2048, 72, True)],
+     (1025, 1025, 256, True), (2048, 2048, 72, True), (513, 700, 136, True), (300, 300, 192, False)],
 )
-def test_tensor_core_backward_every_head_dim(dtype_name, n_q, n_k, d, causal):
-    """The mma.sync backward forced (``backend="tensor_core"``) at head dims that are not multiples of 16
-    (padded inside) and above 128 (cut into 128-column slices), through the torch bridge and autograd:
-    output and every gradient within the flash-attn 2× rule against float64."""
+def test_tensor_core_backward_every_head_dim(backend, dtype_name, n_q, n_k, d, causal):
+    """The tensor-core backwards forced (``backend="tensor_core"``: mma.sync; ``"wgmma"``: Hopper's) at head
+    dims that are not multiples of 16 (padded inside) and above 128 (cut into 128-column slices; 136 and 192
+    pad the wgmma's last slice with a zero panel), through the torch bridge and autograd: output and every
+    gradient within the flash-attn 2× rule against float64."""
     import torch
 
     import nbflash.torch as nt
+
+    if backend == "wgmma" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma needs compute capability 9.x")
 
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator(device="cuda").manual_seed(n_q * 1000 + d)
     q, k, v = (torch.randn(2, 3, n, d, device="cuda", generator=gen).to(dtype) for n in (n_q, n_k, n_k))
     do = torch.randn(2, 3, n_q, d, device="cuda", generator=gen).to(dtype)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    o = nt.attention(*leaves, causal=causal, backend="tensor_core")
+    o = nt.attention(*leaves, causal=causal, backend=backend)
     o.backward(do)
     got = (o.detach(), *(x.grad for x in leaves))
     for x, x0 in zip(leaves, (q, k, v), strict=True):
@@ -135,4 +145,4 @@ def test_tensor_core_backward_every_head_dim(dtype_name, n_q, n_k, d, causal):
         assert torch.isfinite(g).all(), f"{name}: not finite"
         err = float((g.double() - r).abs().max())
         bound = 2 * float((nv - r).abs().max()) + 1e-4
-        assert err <= bound, f"D={d} {name}: error {err:.2e} > 2 × naive {dtype_name} ({bound:.2e})"
+        assert err <= bound, f"{backend} D={d} {name}: error {err:.2e} > 2 × naive {dtype_name} ({bound:.2e})"
