@@ -798,9 +798,10 @@ def _dkdv_grid_kernel(cfg: TCBackwardConfig, atomic_dq: bool):
     In the register layout a warp owns 16 keys and all of every product's other side, so each ``ldmatrix``
     of a B operand feeds 2 mma (16 × 16 warp tiles in k-steps: 0.625 ``ldmatrix.x4`` per mma at D = 128,
     128 keys × 64 queries, atomic).  Here the ``WARPS`` warps form a ``WK × WC`` grid: warp (wk, wc) owns
-    keys ``KEYS_W · wk ..`` (``KT`` 16-key tiles) and, of Sᵀ and dPᵀ, the queries ``QW · wc ..``; of dK and dV
-    the columns ``COLS_W · wc ..``; of step 1g's dQ_i (a ``WQ × WDQ`` grid) queries × columns again — 32 × 32
-    tiles at D = 128, 0.45 ``ldmatrix.x4`` per mma.  The price: Pᵀ and dSᵀ leave the warp that computed them,
+    the ``KT`` 16-key tiles from key ``16 · KT · wk`` and, of Sᵀ and dPᵀ, the ``QP`` 16-query tiles from
+    query ``16 · QP · wc``; of dK and dV the ``CP`` 16-column tiles from column ``16 · CP · wc``; of step
+    1g's dQ_i (a ``WQ × WDQ`` grid) queries × columns again — 32 × 32 tiles at D = 128 (``warps_keys=4``,
+    ``warps_dq_rows=2``): 0.45 ``ldmatrix.x4`` per mma.  The price: Pᵀ and dSᵀ leave the warp that computed them,
     through shared memory, and one more barrier per tile.  Per query tile i:
 
     a. wait for tile i's copies; barrier; start tile i + 1's (as in the register layout);
