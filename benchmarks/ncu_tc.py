@@ -3,7 +3,9 @@
     ncu --clock-control none -k regex:flash --launch-skip 2 --launch-count 2 --csv \\
         --metrics sm__inst_executed.sum,gpu__time_duration.sum,... python benchmarks/ncu_tc.py fwd 128 0
 
-Arguments: ``fwd`` or ``bwd``, the head dim, and 1 for causal.  bf16, N = 4096, batch 4, heads·D = 2048;
+Arguments: ``fwd``, ``bwd`` (deterministic dQ) or ``bwd-atomic`` (atomic dQ: the default above D = 64, with
+the dK/dV kernel in FlashAttention-2's warp grid at D = 96 and 128), the head dim, and 1 for causal.
+bf16, N = 4096, batch 4, heads·D = 2048;
 three repetitions, so that ``--launch-skip`` can pass the first (compiling) one.  Each repetition
 launches nbflash's kernels first, then SDPA flash's (forward: 2 kernels; backward: 8).
 ``benchmarks/results/ncu-tc-H200-2026-11-30.txt`` was made with it.
@@ -21,19 +23,22 @@ from benchmarks.tc_sweep import as_cupy  # noqa: E402
 from nbflash import api  # noqa: E402
 
 what, d, causal = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+if what not in ("fwd", "bwd", "bwd-atomic"):
+    sys.exit(f"the first argument must be fwd, bwd or bwd-atomic, got {what!r}")
+backward = what.startswith("bwd")
 torch.manual_seed(0)
 B, H, N = 4, 2048 // d, 4096
 q, k, v, do = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
 cq, ck, cv, cdo = (as_cupy(x) for x in (q, k, v, do))
 for _ in range(3):
     o, lse = api.forward_arrays(cq, ck, cv, causal=causal, bf16_bits=True, backend="tensor_core")
-    if what == "bwd":
-        api.backward_arrays(cdo, cq, ck, cv, o, lse, causal=causal, bf16_bits=True, deterministic=True,
-                            backend="tensor_core")
+    if backward:
+        api.backward_arrays(cdo, cq, ck, cv, o, lse, causal=causal, bf16_bits=True,
+                            deterministic=what == "bwd", backend="tensor_core")
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        qq, kk, vv = (x.clone().requires_grad_(what == "bwd") for x in (q, k, v))
+        qq, kk, vv = (x.clone().requires_grad_(backward) for x in (q, k, v))
         out = F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal)
-        if what == "bwd":
+        if backward:
             out.backward(do)
 torch.cuda.synchronize()
 print("done", what, d, causal)
