@@ -509,6 +509,61 @@ def _make_pair_storer(input_kind: str):
     return device_function(store_pair)
 
 
+def _make_dkdv_storer(cfg: TCBackwardConfig, m_tiles: int, n_tiles: int):
+    """``store_dkdv(dk, dv, dK, dV, b, h, key_g, col0, t, seqlen_k, scale)``: a dK/dV kernel's last step for a
+    warp's accumulators of ``16 · m_tiles`` keys × ``8 · n_tiles`` columns (tile ``m · n_tiles + n`` as in
+    :func:`_make_tile_product`): ``dk = dK · scale`` and ``dv = dV`` in the input type, rows from key
+    ``key_g`` (the key of the thread's row g), columns ``col0 + 8n + 2t`` and the next; keys past
+    ``seqlen_k`` and tiles of head-dim padding are not written (D is a multiple of 8: a tile is data or
+    padding)."""
+    D, PADDED = cfg.head_dim, cfg.d_smem > cfg.head_dim
+    store_pair = _make_pair_storer(cfg.input_kind)
+
+    def store_dkdv(dk, dv, dK, dV, b, h, key_g, col0, t, seqlen_k, scale):
+        for m in range(m_tiles):
+            for r in range(2):
+                key = key_g + 16 * m + 8 * r
+                if key < seqlen_k:
+                    for n in range(n_tiles):
+                        if PADDED and col0 + 8 * n >= D:
+                            continue  # head-dim padding
+                        col = col0 + 8 * n + 2 * t
+                        x = m * n_tiles + n
+                        store_pair(dk, b, h, key, col, dK[x, 2 * r] * scale, dK[x, 2 * r + 1] * scale)
+                        store_pair(dv, b, h, key, col, dV[x, 2 * r], dV[x, 2 * r + 1])
+
+    return device_function(store_dkdv)
+
+
+def _make_dq_adder(cfg: TCBackwardConfig, m_tiles: int, n_tiles: int):
+    """``add_dq(dQ, dq_cols, dq_row_bytes, row_g, col0, seqlen_q)``: step 1g's addition of a warp's dQ
+    accumulators (``16 · m_tiles`` queries from ``row_g``, the query of the thread's row g, × ``8 · n_tiles``
+    columns from ``col0``) into the float32 accumulator: one address per row (``dq_cols``: the byte address
+    of ``dq_accum[b, h, 0, 2t]``), then a reduction per accumulator pair at a constant offset from it — one
+    ``red.global.add.v2.f32`` with ``cfg.vector_red`` (sm_90), else two scalar ones.  Rows past
+    ``seqlen_q`` and tiles of head-dim padding are skipped (dq_accum has D columns)."""
+    D, PADDED, VECTOR_RED = cfg.head_dim, cfg.d_smem > cfg.head_dim, cfg.vector_red
+    TILE_BYTES = 8 * 4  # float32 dQ: from a column of one 8-column tile to the same column of the next
+
+    def add_dq(dQ, dq_cols, dq_row_bytes, row_g, col0, seqlen_q):
+        for m in range(m_tiles):
+            for r in range(2):
+                row = row_g + 16 * m + 8 * r
+                if row < seqlen_q:
+                    addr = dq_cols + row * dq_row_bytes + 4 * col0
+                    for n in range(n_tiles):
+                        if PADDED and col0 + 8 * n >= D:
+                            continue  # head-dim padding
+                        x = m * n_tiles + n
+                        if VECTOR_RED:
+                            I.red_add_f32x2(addr + n * TILE_BYTES, dQ[x, 2 * r], dQ[x, 2 * r + 1])
+                        else:
+                            I.red_add_f32(addr + n * TILE_BYTES, dQ[x, 2 * r])
+                            I.red_add_f32(addr + n * TILE_BYTES + 4, dQ[x, 2 * r + 1])
+
+    return device_function(add_dq)
+
+
 def _make_query_stream(cfg: TCBackwardConfig, name: str):
     """Steps 1 and 1a of both dK/dV kernels, the copies of the streamed query tiles (layout of ``name``):
 
@@ -577,10 +632,10 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
     """The compiled dK/dV kernel (step 1) for one configuration (cached); ``atomic_dq`` adds step 1g."""
     if cfg.grid:
         return _dkdv_grid_kernel(cfg, atomic_dq)
-    BLOCK_M, BLOCK_N, D = cfg.block_m, cfg.block_n, cfg.head_dim
+    BLOCK_M, BLOCK_N = cfg.block_m, cfg.block_n
     WARPS, PITCH, DS_PITCH = cfg.warps, cfg.pitch, cfg.ds_pitch
     SLICES, SLICE = cfg.slices, cfg.slice_cols  # blocks per key tile, and the gradient columns of each
-    KV_IN_REGS, ATOMIC_DQ, VECTOR_RED = cfg.kv_in_registers, atomic_dq, cfg.vector_red
+    KV_IN_REGS, ATOMIC_DQ = cfg.kv_in_registers, atomic_dq
     off = shared_offsets(cfg, "dkdv_atomic" if atomic_dq else "dkdv")
     K_OFF, V_OFF, Q_OFF, DO_OFF, DS_OFF = off["k"], off["v"], off["q"], off["do"], off.get("ds", 0)
     QD_STRIDE = BLOCK_M * PITCH  # elements from one Q (or dO) buffer to the other
@@ -592,7 +647,6 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
     K_STEPS = GROUP * GROUPS
     Q_TILES = BLOCK_M // 8  # 8-query column tiles of Sᵀ, dPᵀ
     D_TILES = SLICE // 8  # 8-wide column tiles of the block's slice of dK, dV
-    PADDED = cfg.d_smem > D  # some gradient columns are padding: not written
     M_STEPS = BLOCK_M // 16  # k-steps of dV += Pᵀ dO, dK += dSᵀ Q
     N_STEPS = BLOCK_N // 16  # k-steps of dQ += dS K
     # Step 1g: the BLOCK_M × SLICE block of dQ_i (the block's columns) is cut into units of 16 queries ×
@@ -607,13 +661,12 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
     DQ_UNITS = M_STEPS * DQ_CHUNKS
     DQ_ROUNDS = -(-DQ_UNITS // WARPS)
     DQ_EVEN = DQ_UNITS % WARPS == 0
-    TILE_BYTES = 8 * 4  # float32 dQ: from a column of one 8-column tile to the same column of the next
     ZERO = numba.float32(0)
     u32, u64 = numba.uint32, numba.uint64
     SMEM_ALIGN = None if SIMULATOR else 16
     mma_into, pack_pair = _make_fragment_ops(cfg.input_kind)
-    store_pair = _make_pair_storer(cfg.input_kind)
     first_tile, next_tile = _make_query_stream(cfg, "dkdv_atomic" if atomic_dq else "dkdv")
+    store_dkdv, add_dq = _make_dkdv_storer(cfg, 1, D_TILES), _make_dq_adder(cfg, 1, DQ_TILES)
     row_product = _make_row_product(GROUPS, GROUP, KV_IN_REGS, M_STEPS, PITCH, mma_into)
     transposed_gradients = _make_transposed_gradients(1, Q_TILES)
     block_tile = cfg.block_tile(BLOCK_N)
@@ -760,34 +813,13 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
                                         kb[2 * half],
                                         kb[2 * half + 1],
                                     )
-                        # Add the unit into dQ_i: one address per row, then a reduction per accumulator pair
-                        # (row g or g + 8, columns 2t, 2t + 1 of tile n) at a constant offset from it.
-                        for r in range(2):
-                            row = q_start + 16 * mt + g + 8 * r
-                            if row < seqlen_q:
-                                addr = dq_cols + row * dq_row_bytes + 4 * d0
-                                for n in range(DQ_TILES):
-                                    if PADDED and d0 + 8 * n >= D:
-                                        continue  # head-dim padding: dq_accum has D columns
-                                    if VECTOR_RED:
-                                        I.red_add_f32x2(addr + n * TILE_BYTES, dQ[n, 2 * r], dQ[n, 2 * r + 1])
-                                    else:
-                                        I.red_add_f32(addr + n * TILE_BYTES, dQ[n, 2 * r])
-                                        I.red_add_f32(addr + n * TILE_BYTES + 4, dQ[n, 2 * r + 1])
+                        # Add the unit into dQ_i (rows g, g + 8; columns 2t, 2t + 1 of each tile).
+                        add_dq(dQ, dq_cols, dq_row_bytes, q_start + 16 * mt + g, d0, seqlen_q)
 
         I.cp_async_wait_all()  # nothing left in flight (also when no query tile sees these keys)
 
         # dK_j · scale and dV_j, written once.
-        sc = numba.float32(scale)
-        for r in range(2):
-            key = k_start + 16 * warp + g + 8 * r
-            if key < seqlen_k:
-                for n in range(D_TILES):
-                    if PADDED and c0 + 8 * n >= D:
-                        continue  # head-dim padding (D is a multiple of 8: a tile is data or padding)
-                    col = c0 + 8 * n + 2 * t
-                    store_pair(dk, b, h, key, col, dK[n, 2 * r] * sc, dK[n, 2 * r + 1] * sc)
-                    store_pair(dv, b, h, key, col, dV[n, 2 * r], dV[n, 2 * r + 1])
+        store_dkdv(dk, dv, dK, dV, b, h, k_start + 16 * warp + g, c0, t, seqlen_k, numba.float32(scale))
 
     return flash_backward_dkdv_tc
 
@@ -816,9 +848,9 @@ def _dkdv_grid_kernel(cfg: TCBackwardConfig, atomic_dq: bool):
     The next tile's first barrier ends every warp's reads of Pᵀ, dSᵀ and of tile i's buffers before either
     is written again.
     """
-    BLOCK_M, BLOCK_N, D = cfg.block_m, cfg.block_n, cfg.head_dim
+    BLOCK_M, BLOCK_N = cfg.block_m, cfg.block_n
     WARPS, PITCH, DS_PITCH = cfg.warps, cfg.pitch, cfg.ds_pitch
-    ATOMIC_DQ, VECTOR_RED = atomic_dq, cfg.vector_red
+    ATOMIC_DQ = atomic_dq
     off = shared_offsets(cfg, "dkdv_atomic" if atomic_dq else "dkdv")
     K_OFF, V_OFF, Q_OFF, DO_OFF, P_OFF, DS_OFF = off["k"], off["v"], off["q"], off["do"], off["p"], off["ds"]
     QD_STRIDE = BLOCK_M * PITCH  # elements from one Q (or dO) buffer to the other
@@ -836,14 +868,12 @@ def _dkdv_grid_kernel(cfg: TCBackwardConfig, atomic_dq: bool):
     K_STEPS, M_STEPS, N_STEPS = CHUNKS, BLOCK_M // 16, BLOCK_N // 16  # k-steps of Sᵀ/dPᵀ, dV/dK, dQ
     AF_ROWS = max(KT, QTQ)  # A-fragment tiles of one k-step, for the largest product
     S_TILES, KV_TILES, DQ_TILES = KT * 2 * QP, KT * 2 * CP, QTQ * 2 * CPQ  # 16×8 accumulator tiles of a warp
-    PADDED = cfg.d_pad > D  # some gradient columns are padding: not written
-    TILE_BYTES = 8 * 4  # float32 dQ: from a column of one 8-column tile to the same column of the next
     ZERO = numba.float32(0)
     u32, u64 = numba.uint32, numba.uint64
     SMEM_ALIGN = None if SIMULATOR else 16
     mma_into, pack_pair = _make_fragment_ops(cfg.input_kind)
-    store_pair = _make_pair_storer(cfg.input_kind)
     first_tile, next_tile = _make_query_stream(cfg, "dkdv_atomic" if atomic_dq else "dkdv")
+    store_dkdv, add_dq = _make_dkdv_storer(cfg, KT, 2 * CP), _make_dq_adder(cfg, QTQ, 2 * CPQ)
     # Sᵀ = K Qᵀ, dPᵀ = V dOᵀ: A = K (V) rows, B = Q (dO) rows; k = the head dim.
     s_product = _make_tile_product(KT, QP, K_STEPS, False, False, (16 * PITCH, 16), (16 * PITCH, 16), mma_into)
     # dV += Pᵀ dO, dK += dSᵀ Q: A = rows of the shared [key][query] tile, B = dO (Q) k-major; k = the queries.
@@ -949,36 +979,12 @@ def _dkdv_grid_kernel(cfg: TCBackwardConfig, atomic_dq: bool):
                     for i in range(4):
                         dQ[n, i] = ZERO
                 dq_product(dQ, af, smem, dst_at, kd_at)
-                for m in range(QTQ):
-                    for r in range(2):
-                        row = q_start + dq_q0 + 16 * m + g + 8 * r
-                        if row < seqlen_q:
-                            addr = dq_cols + row * dq_row_bytes + 4 * dq_c0
-                            for n in range(2 * CPQ):
-                                if PADDED and dq_c0 + 8 * n >= D:
-                                    continue  # head-dim padding: dq_accum has D columns
-                                x = m * 2 * CPQ + n
-                                if VECTOR_RED:
-                                    I.red_add_f32x2(addr + n * TILE_BYTES, dQ[x, 2 * r], dQ[x, 2 * r + 1])
-                                else:
-                                    I.red_add_f32(addr + n * TILE_BYTES, dQ[x, 2 * r])
-                                    I.red_add_f32(addr + n * TILE_BYTES + 4, dQ[x, 2 * r + 1])
+                add_dq(dQ, dq_cols, dq_row_bytes, q_start + dq_q0 + g, dq_c0, seqlen_q)
 
         I.cp_async_wait_all()  # nothing left in flight (also when no query tile sees these keys)
 
         # dK_j · scale and dV_j, written once.
-        sc = numba.float32(scale)
-        for m in range(KT):
-            for r in range(2):
-                key = k_start + key0 + 16 * m + g + 8 * r
-                if key < seqlen_k:
-                    for n in range(2 * CP):
-                        if PADDED and col0 + 8 * n >= D:
-                            continue  # head-dim padding (D is a multiple of 8: a tile is data or padding)
-                        col = col0 + 8 * n + 2 * t
-                        x = m * 2 * CP + n
-                        store_pair(dk, b, h, key, col, dK[x, 2 * r] * sc, dK[x, 2 * r + 1] * sc)
-                        store_pair(dv, b, h, key, col, dV[x, 2 * r], dV[x, 2 * r + 1])
+        store_dkdv(dk, dv, dK, dV, b, h, k_start + key0 + g, col0, t, seqlen_k, numba.float32(scale))
 
     return flash_backward_dkdv_grid_tc
 
