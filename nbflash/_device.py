@@ -130,9 +130,23 @@ def kernel(fn=None, **options):
     return dispatcher
 
 
-def device_function(fn):
-    """``cuda.jit(device=True, inline=True)``: a helper called from kernels."""
-    return cuda.jit(device=True, inline=True)(fn)
+def device_function(fn=None, *, nvvm_inline: bool = False):
+    """A helper called from kernels: ``cuda.jit(device=True)``, always inlined.
+
+    By default Numba inlines it into each caller's Numba IR (``inline="always"``), which lets
+    Numba type the body with the caller's constants.  With ``nvvm_inline=True`` it is compiled
+    once, as a function of its own, and NVVM inlines it (``forceinline``: LLVM's
+    ``alwaysinline``).  That is for a function called many times over, such as a chain of
+    unrolled k-steps: Numba's IR inlining deep-copies the callee's IR at every call site, so a
+    chain of n calls, each inlining the one before, costs O(n²) copies, while NVVM's inliner
+    sees each function once.  Elsewhere Numba's IR inlining is kept: with every helper inlined
+    by NVVM instead, ptxas spilled in the forward at D = 128 and the kernels gained ldmatrix.
+    """
+    if fn is None:
+        return lambda f: device_function(f, nvvm_inline=nvvm_inline)
+    if nvvm_inline and not SIMULATOR:  # the simulator calls it as Python either way
+        return cuda.jit(device=True, forceinline=True)(fn)
+    return cuda.jit(device=True, inline="always")(fn)
 
 
 # --------------------------------------------------------------------------

@@ -12,14 +12,12 @@ assembled for sm_80 and sm_90, with nothing in local memory and no spills.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from offline import TESTS, offline_json_rows
 
 from nbflash import backward_tc as T
 from nbflash import intrinsics as I
@@ -379,14 +377,23 @@ def test_config_and_can_implement():
         assert not T.choose_config(64, "float16").vector_red
 
 
+def ptx_jobs():
+    """``(cc, target)`` of the PTX check: every target for sm_90 (the H200); for sm_80 the float16 ones and the
+    grid layout's (one kind each), since the two kinds differ only in the mma's type and the final rounding."""
+    return [(cc, target) for cc in (80, 90) for target in T.compile_targets(divmod(cc, 10))
+            if cc == 90 or target[1].input_kind == "float16" or target[1].grid]
+
+
+PTX_PARTS = 4  # separate tests, so that pytest-xdist spreads them over its workers
+
 _PTX_SCRIPT = r"""
 import json, re, sys
-from nbflash import backward_tc as T
+sys.path.insert(0, sys.argv[1])
+from test_backward_tc import ptx_jobs
 from nbflash._device import SIMULATOR, compile_ptx_offline, ptxas_info
 assert not SIMULATOR
-part, parts = int(sys.argv[1]), int(sys.argv[2])
-jobs = [(cc, target) for cc in (80, 90) for target in T.compile_targets(divmod(cc, 10))]
-for i, (cc, (name, cfg, kern, sig, fastmath)) in enumerate(jobs):
+part, parts = int(sys.argv[2]), int(sys.argv[3])
+for i, (cc, (name, cfg, kern, sig, fastmath)) in enumerate(ptx_jobs()):
     if i % parts != part:
         continue
     ptx = compile_ptx_offline(kern.py_func, sig, cc=divmod(cc, 10), fastmath=fastmath)
@@ -404,28 +411,16 @@ for i, (cc, (name, cfg, kern, sig, fastmath)) in enumerate(jobs):
 """
 
 
-def test_backward_tc_compiles_for_sm80_sm90_in_registers():
-    """Every GPU configuration and kernel: NVVM → PTX → ptxas (nvJitLink), no local memory, no spills."""
-    pytest.importorskip("cuda.bindings.nvjitlink")
-    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _PTX_SCRIPT, str(i), "2"],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    rows = []
-    for p in procs:
-        out, err = p.communicate(timeout=900)
-        assert p.returncode == 0, err[-4000:]
-        rows += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    assert len(rows) == 2 * len(T.compile_targets())  # sm_80, sm_90 × head dims × (float16, bfloat16) × 3 kernels
+@pytest.mark.parametrize("part", range(PTX_PARTS))
+def test_backward_tc_compiles_for_sm80_sm90_in_registers(part):
+    """Every GPU configuration and kernel (a quarter of them per part): NVVM → PTX → ptxas (nvJitLink), no local
+    memory, no spills."""
+    # About 15 s a kernel on one core (the grid layout's about 20 s): a part takes about 4 minutes alone; the
+    # limit leaves room for a machine whose cores the other tests keep busy.
+    rows = offline_json_rows(_PTX_SCRIPT, TESTS, str(part), str(PTX_PARTS), timeout=1800)
+    jobs = ptx_jobs()
+    assert len(rows) == len(jobs[part::PTX_PARTS])
+    assert {cc for cc, _ in jobs} == {80, 90} and len(jobs) > len(T.compile_targets())  # both archs
     for row in sorted(rows, key=lambda r: (r["kernel"], r["head_dim"], r["kind"], r["sm"])):
         print(row)
         assert row["local"] == 0, row  # every register array really is in registers
