@@ -130,7 +130,7 @@ def kernel(fn=None, **options):
     return dispatcher
 
 
-def device_function(fn=None, *, nvvm_inline: bool = False):
+def device_function(fn, *, nvvm_inline: bool = False):
     """A helper called from kernels: ``cuda.jit(device=True)``, always inlined.
 
     By default Numba inlines it into each caller's Numba IR (``inline="always"``), which lets
@@ -142,8 +142,6 @@ def device_function(fn=None, *, nvvm_inline: bool = False):
     sees each function once.  Elsewhere Numba's IR inlining is kept: with every helper inlined
     by NVVM instead, ptxas spilled in the forward at D = 128 and the kernels gained ldmatrix.
     """
-    if fn is None:
-        return lambda f: device_function(f, nvvm_inline=nvvm_inline)
     if nvvm_inline and not SIMULATOR:  # the simulator calls it as Python either way
         return cuda.jit(device=True, forceinline=True)(fn)
     return cuda.jit(device=True, inline="always")(fn)

@@ -415,8 +415,8 @@ for i, (cc, (name, cfg, kern, sig, fastmath)) in enumerate(ptx_jobs()):
 def test_backward_tc_compiles_for_sm80_sm90_in_registers(part):
     """Every GPU configuration and kernel (a quarter of them per part): NVVM → PTX → ptxas (nvJitLink), no local
     memory, no spills."""
-    # About 15 s a kernel on one core (the grid layout's about 20 s): a part takes about 4 minutes alone; the
-    # limit leaves room for a machine whose cores the other tests keep busy.
+    # About 15 s a kernel on one core (the grid layout's 20–27 s): a part took about 3 minutes (four parts on
+    # two workers, 6 minutes); the limit leaves room for a machine whose cores the other tests keep busy.
     rows = offline_json_rows(_PTX_SCRIPT, TESTS, str(part), str(PTX_PARTS), timeout=1800)
     jobs = ptx_jobs()
     assert len(rows) == len(jobs[part::PTX_PARTS])
