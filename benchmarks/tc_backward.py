@@ -18,7 +18,7 @@ Tile sweep (``--configs 64x64r,128x128r,64x128,wg128x64s23``): candidate
 configurations of :mod:`nbflash.backward_tc`, by tag ``<block_m>x<block_n>``
 plus ``r`` when each warp keeps its K/V fragments in registers, ``g<key groups><dQ row groups>``
 for the dK/dV kernel's FlashAttention-2 warp grid (``TCBackwardConfig.warps_keys``,
-``warps_dq_rows``; e.g. ``64x128g42``), and ``d<columns>``
+``warps_dq_rows``; e.g. ``64x128g42``; ``b`` after it: atomic dQ by bulk reductions, ``bulk_dq``), and ``d<columns>``
 for the gradient columns per block (``TCBackwardConfig.d_slice``; needed above
 D = 128, e.g. ``32x64d64@256``; also after a ``wg`` tag), and of
 :mod:`nbflash.backward_wgmma` by ``wg<block_m>x<block_n>`` plus, optionally,
@@ -66,7 +66,7 @@ KIND = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEVICE = "cuda"
 TOKENS, WIDTH = 16384, 2048  # timed shapes: batch · N and heads · D
-TAG = re.compile(r"(wg)?(\d+)x(\d+)(r?)(?:s(\d)(\d))?(?:g(\d)(\d))?(?:d(\d+))?(?:@(\d+))?")
+TAG = re.compile(r"(wg)?(\d+)x(\d+)(r?)(?:s(\d)(\d))?(?:g(\d)(\d)(b?))?(?:d(\d+))?(?:@(\d+))?")
 # (seqlen_q, seqlen_k, causal) of the candidates' check: ragged tiles, both causal shapes, whole blocks.
 SWEEP_CASES = [(97, 97, False), (200, 97, True), (97, 200, True), (1025, 1025, True), (2048, 2048, False)]
 
@@ -163,7 +163,7 @@ def tag(cfg) -> str:
         cols = f"d{cfg.d_slice}" if cfg.d_slice else ""
         return f"wg{cfg.block_m}x{cfg.block_n}{stages}{cols}"
     cols = f"d{cfg.d_slice}" if cfg.d_slice else ""
-    grid = f"g{cfg.warps_keys}{cfg.warps_dq_rows}" if cfg.grid else ""
+    grid = f"g{cfg.warps_keys}{cfg.warps_dq_rows}{'b' if cfg.bulk_dq else ''}" if cfg.grid else ""
     return f"{cfg.block_m}x{cfg.block_n}{'r' if cfg.kv_in_registers else ''}{grid}{cols}"
 
 
@@ -178,14 +178,14 @@ def parse_configs(spec: str, dims, kinds) -> list[T.TCBackwardConfig]:
         m = TAG.fullmatch(t)
         if not m or (m[1] and (m[4] or m[7])) or (m[5] and not m[1]):
             raise ValueError(
-                f"bad config tag {t!r}: expected <block_m>x<block_n>[r][g<key groups><dQ row groups>][d<columns>]"
+                f"bad config tag {t!r}: expected <block_m>x<block_n>[r][g<key groups><dQ row groups>[b]][d<columns>]"
                 "[@<head dim>] or wg<block_m>x<block_n>[s<dK/dV stages><dQ stages>][d<columns>][@<head dim>], "
                 "e.g. 64x128r, 64x128g42, 32x64d64@256, wg128x64s23@128 or wg64x64d128@256"
             )
         stages = (int(m[5]), int(m[6])) if m[5] else (2, 2)
-        grid = (int(m[7]), int(m[8])) if m[7] else (0, 0)
-        parsed.append((bool(m[1]), int(m[2]), int(m[3]), m[4] == "r", stages, grid, int(m[9] or 0),
-                       int(m[10]) if m[10] else None))
+        grid = (int(m[7]), int(m[8]), m[9] == "b") if m[7] else (0, 0, False)
+        parsed.append((bool(m[1]), int(m[2]), int(m[3]), m[4] == "r", stages, grid, int(m[10] or 0),
+                       int(m[11]) if m[11] else None))
     cfgs = []
     for d in dims:
         for kind in kinds:
@@ -199,7 +199,8 @@ def parse_configs(spec: str, dims, kinds) -> list[T.TCBackwardConfig]:
                                              d_slice=cols)
                 else:
                     cfg = T.TCBackwardConfig(bm, bn, d, kind, kv_in_registers=regs, vector_red=default.vector_red,
-                                             d_slice=cols, warps_keys=grid[0], warps_dq_rows=grid[1])
+                                             d_slice=cols, warps_keys=grid[0], warps_dq_rows=grid[1],
+                                             bulk_dq=grid[2])
                 if cfg not in mine:
                     mine.append(cfg)
             cfgs += mine

@@ -328,10 +328,13 @@ def attention_backward(
             heads·D = 2048; ``benchmarks/results/`` has the figures):
             *SIMT*: atomic — 23–26 TFLOP/s against 16–18 deterministic in fp32
             at D = 64 (N = 2k, 8k), for 128 MB more scratch;
-            *tensor cores* (mma.sync): deterministic up to a padded D of 64,
-            atomic above — bf16 on the H200 (N = 1k–16k,
-            ``tc-backward-NVIDIA-H200-2026-12-02-grid.json``): at D = 64
-            137–209 TFLOP/s deterministic against 122–211 atomic; at D = 128
+            *tensor cores* (mma.sync): deterministic below a padded D of 64,
+            atomic from 64 — bf16 on the H200 (N = 1k–16k,
+            ``tc-backward-NVIDIA-H200-2026-12-02-grid.json``,
+            ``…-d64-fa2tile.json``, ``…-bulk.json``): at D = 64 the atomic
+            route with FlashAttention-2's 128 × 128 tiles and warp grid
+            124–239 TFLOP/s (geomean 194) against 137–212 (185–187)
+            deterministic (it loses only at causal N = 1k); at D = 128
             the atomic route, with FlashAttention-2's 8-warp 64 × 128 tiles
             and its warp grid, 189–270 against 183–222 non-causal and
             133–266 against 146–220 causal (it loses only at causal N = 1k);
@@ -494,8 +497,10 @@ def run_backward(
     ``deterministic=None``: the dQ route measured faster for the plan's kernels (see
     :func:`attention_backward`); ``empty(shape, dtype)`` allocates the scratch (default: q's array module).
     """
-    if deterministic is None:  # atomic dQ for SIMT, and for mma.sync above D = 64 (attention_backward's figures)
-        deterministic = plan.backend == "wgmma" or (plan.backend == "tensor_core" and plan.config.d_pad <= 64)
+    if deterministic is None:  # atomic dQ for SIMT, and for mma.sync from D = 64 where its tiles fit
+        deterministic = plan.backend == "wgmma" or (plan.backend == "tensor_core" and plan.config.d_pad <= 64 and not (
+            plan.config.d_pad == 64
+            and _bwd_tc.choose_config(plan.config.head_dim, plan.config.input_kind, atomic=True).grid))
     flags = dict(deterministic=bool(deterministic), stream=stream, empty=empty)
     if plan.backend == "tensor_core":  # the plan checked do, q, k, v, o; dq, dk, dv are the caller's fresh arrays
         cfg = plan.config

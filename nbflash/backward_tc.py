@@ -152,8 +152,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import backward as bw
+from . import hopper as H
 from . import intrinsics as I
-from ._device import SIMULATOR, compute_capability, cuda, device_function, kernel, launch, max_shared_per_block, numba
+from ._device import (
+    SIMULATOR,
+    compute_capability,
+    cuda,
+    device_function,
+    kernel,
+    launch,
+    max_shared_per_block,
+    numba,
+)
 from ._tiles import LOG2E, HeadDimSlices, make_padded_offset, make_storer, make_tc_tile_copier
 from ._validate import array_module, tile_rows_problem
 from .masking import d_key_range, d_query_range, d_row_key_end, d_tile_needs_mask
@@ -205,6 +215,10 @@ class TCBackwardConfig(HeadDimSlices):
     # ``warps_dq_rows`` groups along the queries of step 1g's dQ_i, the rest along its columns.
     warps_keys: int = 0
     warps_dq_rows: int = 0
+    # Atomic dQ in the grid layout: dQ_i is stored to a shared staging tile and added into the float32 accumulator
+    # by the bulk copy engine, one ``cp.reduce.async.bulk .add.f32`` per row (sm_90+), instead of by
+    # ``red.global.add`` from registers.
+    bulk_dq: bool = False
 
     def __post_init__(self):
         if self.block_n not in (16, 32, 64, 128):
@@ -223,6 +237,8 @@ class TCBackwardConfig(HeadDimSlices):
             raise ValueError(f"a padded head dim of {self.d_pad} needs d_slice (at most 128 columns per block)")
         if self.warps_keys or self.warps_dq_rows:
             self._check_grid()
+        if self.bulk_dq and not self.grid:
+            raise ValueError("bulk_dq stages each warp's dQ_i block of the grid layout: it needs warps_keys > 0")
 
     def _check_grid(self):
         """The grid layout's constraints: whole 16-row (16-column) fragment tiles for every warp."""
@@ -245,6 +261,12 @@ class TCBackwardConfig(HeadDimSlices):
     def grid(self) -> bool:
         """The dK/dV kernel in FlashAttention-2's warp grid, Pᵀ and dSᵀ through shared memory."""
         return self.warps_keys > 0
+
+    @property
+    def dq_stage_pitch(self) -> int:
+        """Row pitch (float32) of the ``bulk_dq`` staging tile of dQ_i, ``block_m`` rows: the padded head dim plus
+        8, so that the 8-byte stores of rows g = 0..3 (one wavefront of a half-warp) start 8 or 24 banks apart."""
+        return self.d_pad + 8
 
     @property
     def warps(self) -> int:
@@ -295,6 +317,8 @@ def shared_offsets(cfg: TCBackwardConfig, name: str) -> dict[str, int]:
             put("p", cfg.block_n * cfg.ds_pitch)  # grid layout: Pᵀ [key][query], 16-bit, for dV_j += Pᵀ dO_i
         if name == "dkdv_atomic" or cfg.grid:
             put("ds", cfg.block_n * cfg.ds_pitch)  # dSᵀ [key][query], 16-bit, for dQ_i += dS K_j (and grid: dK_j)
+        if name == "dkdv_atomic" and cfg.bulk_dq:
+            put("dq", cfg.block_m * cfg.dq_stage_pitch * 2)  # bulk_dq: the float32 staging tile of dQ_i
     elif name == "dq":
         put("q", cfg.block_n * P)  # Q_i: the block's queries
         put("do", cfg.block_n * P)  # dO_i
@@ -565,6 +589,40 @@ def _make_dq_adder(cfg: TCBackwardConfig, m_tiles: int, n_tiles: int):
                             I.red_add_f32(addr + n * TILE_BYTES + 4, dQ[x, 2 * r + 1])
 
     return device_function(add_dq)
+
+
+def _make_dq_bulk_adder(cfg: TCBackwardConfig, m_tiles: int, n_tiles: int, stage: int):
+    """Step 1g of the grid layout with ``cfg.bulk_dq`` (sm_90): dQ_i into the float32 accumulator through a shared
+    staging tile (``block_m`` rows × the padded head dim, float32 offset ``stage`` of ``smem_f``, row pitch
+    :attr:`~TCBackwardConfig.dq_stage_pitch`) and the bulk copy engine, in two halves a barrier apart:
+
+    * ``stage_dq(dQ, smem_f, row_g, col_t)``: a warp's accumulators (``16 · m_tiles`` queries × ``8 · n_tiles``
+      columns, tiles as in :func:`_make_tile_product`; this thread's row g is tile row ``row_g``, its first
+      column ``col_t``) to the tile, then fenced to the async proxy;
+    * ``reduce_dq(smem_f, dq_rows, dq_row_bytes, q_start, seqlen_q, tid)``, after the barrier that follows every
+      warp's ``stage_dq``: one thread per query row before ``seqlen_q`` starts the reduction of its row's D
+      columns (``dq_rows``: the byte address of ``dq_accum[b, h, 0, 0]``; padding is not added); one group
+      per thread.  The caller waits for the groups' reads (``bulk_wait_group_read``) before the barrier after
+      which the tile is staged again, and for their completion before the kernel exits.
+    """
+    D, PITCH, ROWS, THREADS = cfg.head_dim, cfg.dq_stage_pitch, cfg.block_m, cfg.threads
+
+    def stage_dq(dQ, smem_f, row_g, col_t):
+        for m in range(m_tiles):
+            for r in range(2):
+                at = stage + (row_g + 16 * m + 8 * r) * PITCH + col_t
+                for n in range(n_tiles):
+                    smem_f[at + 8 * n] = dQ[m * n_tiles + n, 2 * r]
+                    smem_f[at + 8 * n + 1] = dQ[m * n_tiles + n, 2 * r + 1]
+        H.fence_proxy_async()  # these stores, visible to the copy engine (the async proxy) after the next barrier
+
+    def reduce_dq(smem_f, dq_rows, dq_row_bytes, q_start, seqlen_q, tid):
+        for r in range(tid, ROWS, THREADS):
+            if q_start + r < seqlen_q:
+                H.bulk_reduce_add_f32(dq_rows + (q_start + r) * dq_row_bytes, smem_f, stage + r * PITCH, 4 * D)
+        H.bulk_commit_group()
+
+    return device_function(stage_dq), device_function(reduce_dq)
 
 
 def _make_query_stream(cfg: TCBackwardConfig, name: str):
@@ -846,7 +904,10 @@ def _dkdv_grid_kernel(cfg: TCBackwardConfig, atomic_dq: bool):
     e–f. ``dV_j += Pᵀ dO_i`` and ``dK_j += dSᵀ Q_i`` on the warp's keys × columns: A = rows of the shared
        Pᵀ (dSᵀ) by ``ldmatrix``, B = dO_i (Q_i) by ``ldmatrix.trans``;
     g. *atomic:* ``dQ_i += dS K_j`` on the warp's queries × columns, A = dS by ``ldmatrix.trans`` of dSᵀ,
-       added into the float32 accumulator by ``red.global.add``.
+       added into the float32 accumulator by ``red.global.add`` — or, with ``cfg.bulk_dq`` (sm_90), stored to
+       a shared staging tile and added by the bulk copy engine, one ``cp.reduce.async.bulk`` per query row,
+       started after the next tile's first barrier and waited for before its second
+       (:func:`_make_dq_bulk_adder`).
 
     The next tile's first barrier ends every warp's reads of Pᵀ, dSᵀ and of tile i's buffers before either
     is written again.
@@ -854,6 +915,7 @@ def _dkdv_grid_kernel(cfg: TCBackwardConfig, atomic_dq: bool):
     BLOCK_M, BLOCK_N = cfg.block_m, cfg.block_n
     WARPS, PITCH, DS_PITCH = cfg.warps, cfg.pitch, cfg.ds_pitch
     ATOMIC_DQ = atomic_dq
+    BULK_DQ = atomic_dq and cfg.bulk_dq
     off = shared_offsets(cfg, "dkdv_atomic" if atomic_dq else "dkdv")
     K_OFF, V_OFF, Q_OFF, DO_OFF, P_OFF, DS_OFF = off["k"], off["v"], off["q"], off["do"], off["p"], off["ds"]
     QD_STRIDE = BLOCK_M * PITCH  # elements from one Q (or dO) buffer to the other
@@ -877,6 +939,7 @@ def _dkdv_grid_kernel(cfg: TCBackwardConfig, atomic_dq: bool):
     mma_into, pack_pair = _make_fragment_ops(cfg.input_kind)
     first_tile, next_tile = _make_query_stream(cfg, "dkdv_atomic" if atomic_dq else "dkdv")
     store_dkdv, add_dq = _make_dkdv_storer(cfg, KT, 2 * CP), _make_dq_adder(cfg, QTQ, 2 * CPQ)
+    stage_dq, reduce_dq = _make_dq_bulk_adder(cfg, QTQ, 2 * CPQ, off.get("dq", 0) // 2)
     # Sᵀ = K Qᵀ, dPᵀ = V dOᵀ: A = K (V) rows, B = Q (dO) rows; k = the head dim.
     s_product = _make_tile_product(KT, QP, K_STEPS, False, False, (16 * PITCH, 16), (16 * PITCH, 16), mma_into)
     # dV += Pᵀ dO, dK += dSᵀ Q: A = rows of the shared [key][query] tile, B = dO (Q) k-major; k = the queries.
@@ -934,6 +997,7 @@ def _dkdv_grid_kernel(cfg: TCBackwardConfig, atomic_dq: bool):
         # Step g's global byte address of dq_accum[b, h, 0, 2t], and the bytes from one query row to the next.
         dq_cols = I.global_address(dq_accum, (b, h, 0, 2 * t))
         dq_row_bytes = dq_accum.strides[2]
+        dq_rows = I.global_address(dq_accum, (b, h, 0, 0))  # bulk_dq: the rows' starts
 
         # K_j, V_j and the first Q_i, dO_i with its lse2, D: one cp.async group.
         i_first, n_tiles = first_tile(smem, smem_f, q, k, v, do, lse2, delta, b, h, k_start, seqlen_q, seqlen_k,
@@ -946,6 +1010,8 @@ def _dkdv_grid_kernel(cfg: TCBackwardConfig, atomic_dq: bool):
             # Step a: every thread's copies of tile i are visible, and every warp is done with tile i - 1 — its
             # buffers, refilled just below, and the shared Pᵀ, dSᵀ, rewritten in step d.
             cuda.syncthreads()
+            if BULK_DQ and it > 0:  # ... and has staged tile i - 1's dQ: its rows go to the copy engine
+                reduce_dq(smem_f, dq_rows, dq_row_bytes, q_start - BLOCK_M, seqlen_q, tid)
             next_tile(smem, smem_f, q, do, lse2, delta, b, h, q_start, it, n_tiles, seqlen_q, tid)
             q_base = Q_OFF + buf * QD_STRIDE
             do_base = DO_OFF + buf * QD_STRIDE
@@ -970,7 +1036,10 @@ def _dkdv_grid_kernel(cfg: TCBackwardConfig, atomic_dq: bool):
                     for n in range(2 * QP):
                         smem32[u64(P_OFF // 2) + word + u64(4 * n)] = pack_pair(S, m * 2 * QP + n, 2 * r)
                         smem32[u64(DS_OFF // 2) + word + u64(4 * n)] = pack_pair(dP, m * 2 * QP + n, 2 * r)
-            cuda.syncthreads()  # steps e–g read rows and columns of Pᵀ and dSᵀ that other warps wrote
+            if BULK_DQ:
+                H.bulk_wait_group_read(0)  # the copy engine has read tile i - 1's staged dQ rows ...
+            cuda.syncthreads()  # steps e–g read rows and columns of Pᵀ and dSᵀ that other warps wrote (... step g
+            # rewrites the staging tile)
 
             # Steps e–f: dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i on the warp's keys × columns.
             kv_product(dV, af, smem, p_at, do_base + qk_at)
@@ -982,9 +1051,17 @@ def _dkdv_grid_kernel(cfg: TCBackwardConfig, atomic_dq: bool):
                     for i in range(4):
                         dQ[n, i] = ZERO
                 dq_product(dQ, af, smem, dst_at, kd_at)
-                add_dq(dQ, dq_cols, dq_row_bytes, q_start + dq_q0 + g, dq_c0, seqlen_q)
+                if BULK_DQ:
+                    stage_dq(dQ, smem_f, dq_q0 + g, dq_c0 + 2 * t)
+                else:
+                    add_dq(dQ, dq_cols, dq_row_bytes, q_start + dq_q0 + g, dq_c0, seqlen_q)
 
         I.cp_async_wait_all()  # nothing left in flight (also when no query tile sees these keys)
+        if BULK_DQ:
+            cuda.syncthreads()  # every warp has staged the last tile's dQ
+            if n_tiles > 0:
+                reduce_dq(smem_f, dq_rows, dq_row_bytes, (i_first + n_tiles - 1) * BLOCK_M, seqlen_q, tid)
+            H.bulk_wait_group(0)  # no bulk reduction left in flight
 
         # dK_j · scale and dV_j, written once.
         store_dkdv(dk, dv, dK, dV, b, h, k_start + key0 + g, col0, t, seqlen_k, numba.float32(scale))
@@ -1265,6 +1342,11 @@ def _choose_config(
             if max_shared is None or max(shared_bytes(cfg, name) for name in KERNELS) <= max_shared:
                 break
         return cfg
+    if atomic and d_pad == 64:  # FlashAttention-2's D = 64 tiles: 128 queries × 128 keys, dQ's warps 4 × 4
+        cfg = TCBackwardConfig(128, 128, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red,
+                               warps_keys=4, warps_dq_rows=4)
+        if max_shared is None or shared_bytes(cfg, "dkdv_atomic") <= max_shared:
+            return cfg
     if atomic and d_pad > 64:
         chunks = d_pad // 16
         candidates = [TCBackwardConfig(64, 128, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red)]
@@ -1290,6 +1372,8 @@ def can_implement(cfg: TCBackwardConfig, *arrays) -> tuple[bool, str]:
     cc = compute_capability()
     if cfg.vector_red and cc is not None and cc < (9, 0):
         return False, f"vector_red (red.global.add.v2.f32) needs sm_90 or newer, the device is sm_{cc[0]}{cc[1]}"
+    if cfg.bulk_dq and cc is not None and cc < (9, 0):
+        return False, f"bulk_dq (cp.reduce.async.bulk) needs sm_90 or newer, the device is sm_{cc[0]}{cc[1]}"
     for name in KERNELS:
         need = shared_bytes(cfg, name)
         if need > limit:
@@ -1405,16 +1489,19 @@ def compile_targets(cc: tuple[int, int] = (9, 0)):
     targets = []
     for d in (32, 40, 64, 96, 128, 256):
         for kind in ("float16", "bfloat16"):
-            # Hopper's limit: the largest tiles; the atomic route's own where it has them (above D = 64)
+            # Hopper's limit: the largest tiles; the atomic route's own where it has them (from D = 64)
             cfg, atomic = (choose_config(d, kind, simulator=False, cc=cc, max_shared=227 * 1024, atomic=a)
                            for a in (False, True))
             targets += [(name, cfg) for name in KERNELS if name != "dkdv_atomic" or atomic == cfg]
             if atomic != cfg:
                 targets.append(("dkdv_atomic", atomic))
-    for d in (64, 128):  # the grid layout's dK/dV kernel, 8 warps (one kind: the types change only the mma)
-        grid = TCBackwardConfig(64, 128, d, "bfloat16", kv_in_registers=False, vector_red=cc >= (9, 0),
-                                warps_keys=4, warps_dq_rows=2)
-        targets += [(name, grid) for name in ("dkdv", "dkdv_atomic") if (name, grid) not in targets]
+    # The grid layout's non-atomic dK/dV kernel at D = 128 (8 warps; one kind: the types change only the mma), and on
+    # sm_90 its opt-in bulk-reduction dQ.
+    grid = TCBackwardConfig(64, 128, 128, "bfloat16", kv_in_registers=False, vector_red=cc >= (9, 0), warps_keys=4,
+                            warps_dq_rows=2)
+    targets += [(name, grid) for name in ("dkdv", "dkdv_atomic") if (name, grid) not in targets]
+    if cc >= (9, 0):
+        targets.append(("dkdv_atomic", dataclasses.replace(grid, bulk_dq=True)))
     return [
         (f"flash_backward_{name}_tc", cfg, _kernel(cfg, name), kernel_signature(cfg, name), True)
         for name, cfg in targets

@@ -49,6 +49,20 @@ Register-A form (:func:`wgmma_rs`)
     the two are not ordered with each other.  A thread that wrote a tile with
     normal stores must execute this fence *before* the barrier that precedes
     the wgmma reading it.  (TMA writes through the async proxy and needs none.)
+``cp.reduce.async.bulk .add.f32`` and its groups (:func:`bulk_reduce_add_f32`, :func:`bulk_commit_group`, ...)
+    The bulk copy engine (TMA's, no tensor map needed) adds a contiguous run
+    of float32 from shared memory into global memory, element by element
+    atomically — one instruction per row instead of one ``red.global`` per
+    register pair.  The registers are free as soon as the values are stored to
+    shared memory; the reduction runs in the background.  Its rules: both
+    addresses 16-byte aligned, a multiple of 16 bytes; ordinary stores to the
+    source must be fenced (:func:`fence_proxy_async`) by the thread that made
+    them, before the (warp or block) barrier after which another thread issues
+    the reduction; the issuing thread closes its reductions into a group
+    (``cp.async.bulk.commit_group``) and must wait for the group's *reads*
+    (``cp.async.bulk.wait_group.read N``, :func:`bulk_wait_group_read`) before
+    the source is written again, and for its completion
+    (``cp.async.bulk.wait_group N``, :func:`bulk_wait_group`) before exiting.
 ``setmaxnreg.inc`` / ``setmaxnreg.dec`` (:func:`setmaxnreg_inc`, :func:`setmaxnreg_dec`)
     Give this warpgroup's registers back to the block's pool, or take more
     from it, per thread (a multiple of 8, 24 … 256).  A warp-specialised
@@ -212,6 +226,10 @@ __all__ = [
     "WGMMA_N",
     "acc_frag_index",
     "acc_from_array",
+    "bulk_commit_group",
+    "bulk_reduce_add_f32",
+    "bulk_wait_group",
+    "bulk_wait_group_read",
     "acc_to_array",
     "d_acc_frag_index",
     "d_kmajor_interleave_offset",
@@ -870,6 +888,80 @@ def _make_gpu_statement(name, ptx):
     return intrinsic(statement)
 
 
+def _bulk_state():
+    """This simulated thread's bulk reductions: issued but not committed, and committed groups (oldest first)."""
+    thread = threading.current_thread()
+    state = getattr(thread, "_nbflash_bulk", None)
+    if state is None:
+        state = thread._nbflash_bulk = {"pending": [], "groups": []}
+    return state
+
+
+def _sim_bulk_reduce_add_f32(address, smem, offset, nbytes):
+    """Start ``address[0 : nbytes / 4] += smem[offset : offset + nbytes / 4]`` (float32, each element atomically).
+
+    PTX: ``cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [address], [smem + offset], nbytes``;
+    sm_90.  ``address`` comes from :func:`nbflash.intrinsics.global_address`
+    plus byte offsets; ``smem`` is a float32 shared array and ``offset`` an
+    element of it; both 16-byte aligned, ``nbytes`` a positive multiple of 16.
+    Asynchronous: the engine reads the source some time before this thread's
+    :func:`bulk_wait_group_read` covering it returns, and the sum lands before
+    :func:`bulk_wait_group`.  Simulator: checked at issue, performed at that
+    wait (the latest moment the hardware may read), so a source rewritten
+    before the wait, or a reduction never waited for, gives a wrong sum; a
+    reduction issued before any thread of the block executed
+    :func:`fence_proxy_async` raises.
+    """
+    nbytes = int(nbytes)
+    if nbytes <= 0 or nbytes % 16:
+        raise ValueError(f"a bulk reduction moves a positive multiple of 16 bytes, got {nbytes}")
+    if smem.dtype != np.float32:
+        raise TypeError(f"the bulk reduction's source must be a float32 shared array, got {smem.dtype}")
+    if (smem.__array_interface__["data"][0] + 4 * int(offset)) % 16:
+        raise ValueError(f"the bulk reduction's shared source (element {offset}) is not 16-byte aligned")
+    if not _sim_block_fenced()[0]:
+        raise RuntimeError("bulk reduction issued before any fence_proxy_async() in the block: the shared source, "
+                           "written by ordinary stores, is not yet visible to the async proxy")
+    address.elements(nbytes // 4, 16)  # bounds and alignment, now
+    _bulk_state()["pending"].append((address, smem, int(offset), nbytes // 4))
+
+
+def _sim_bulk_commit_group():
+    """Close this thread's bulk reductions issued since the last commit into a group.
+
+    PTX: ``cp.async.bulk.commit_group``; sm_90.  (An empty group is allowed.)
+    """
+    state = _bulk_state()
+    state["groups"].append(state["pending"])
+    state["pending"] = []
+
+
+def _sim_bulk_wait(n):
+    groups = _bulk_state()["groups"]
+    while len(groups) > n:
+        for address, smem, offset, count in groups.pop(0):
+            I._sim_red_add(address, [smem[offset + e] for e in range(count)], 16)
+
+
+def _sim_bulk_wait_group_read(n):
+    """Wait until at most ``n`` of this thread's committed bulk groups may still read their shared sources.
+
+    PTX: ``cp.async.bulk.wait_group.read n``; sm_90; ``n`` an immediate (a
+    compile-time constant).  After it, the sources of the older groups may be
+    rewritten.  Simulator: those groups' reductions are performed now.
+    """
+    _sim_bulk_wait(n)
+
+
+def _sim_bulk_wait_group(n):
+    """Wait until at most ``n`` of this thread's committed bulk groups are still running (their sums not landed).
+
+    PTX: ``cp.async.bulk.wait_group n``; sm_90; ``n`` an immediate.  ``n = 0``
+    before the thread exits: no reduction of it is left in flight.
+    """
+    _sim_bulk_wait(n)
+
+
 def _sim_setmaxnreg(count):
     """Set this warpgroup's registers per thread to ``count`` (PTX ``setmaxnreg.{inc,dec}.sync.aligned.u32``; sm_90a).
 
@@ -899,6 +991,40 @@ def _make_gpu_setmaxnreg(op):
 
     setmaxnreg.__name__ = f"setmaxnreg_{op}"
     return intrinsic(setmaxnreg)
+
+
+@intrinsic
+def _gpu_bulk_reduce_add_f32(typingctx, address, smem, offset, nbytes):
+    if not (_is_int(address, offset, nbytes) and isinstance(smem, types.Array) and smem.dtype == types.float32):
+        return None
+    sig = types.void(address, smem, offset, nbytes)
+
+    def codegen(context, builder, sig, args):
+        dst = context.cast(builder, args[0], sig.args[0], types.int64)
+        src = _shared_address(context, builder, sig.args[1], args[1], sig.args[2], args[2])
+        size = context.cast(builder, args[3], sig.args[3], types.uint32)
+        _asm(builder, ir.VoidType(), [_I64, _I32, _I32],
+             "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;", "l,r,r,~{memory}",
+             [dst, src, size], side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _make_gpu_bulk_wait(name, ptx):
+    def wait(typingctx, n):
+        if not isinstance(n, types.IntegerLiteral):
+            return None  # an immediate: n must be a compile-time constant
+        groups = int(n.literal_value)
+
+        def codegen(context, builder, sig, args):
+            _asm(builder, ir.VoidType(), [], f"{ptx} {groups};", "~{memory}", [], side_effect=True)
+            return context.get_dummy_value()
+
+        return types.void(n), codegen
+
+    wait.__name__ = name
+    return intrinsic(wait)
 
 
 @intrinsic
@@ -1108,6 +1234,13 @@ acc_from_array = _public(_sim_acc_from_array, lambda: _gpu_acc_from_array)
 named_barrier_sync = _public(_sim_named_barrier_sync, lambda: _make_gpu_named_barrier("sync"))
 named_barrier_arrive = _public(_sim_named_barrier_arrive, lambda: _make_gpu_named_barrier("arrive"))
 acc_to_array = _public(_sim_acc_to_array, lambda: _gpu_acc_to_array)
+bulk_reduce_add_f32 = _public(_sim_bulk_reduce_add_f32, lambda: _gpu_bulk_reduce_add_f32)
+bulk_commit_group = _public(_sim_bulk_commit_group,
+                            lambda: _make_gpu_statement("bulk_commit_group", "cp.async.bulk.commit_group;"))
+bulk_wait_group_read = _public(_sim_bulk_wait_group_read,
+                               lambda: _make_gpu_bulk_wait("bulk_wait_group_read", "cp.async.bulk.wait_group.read"))
+bulk_wait_group = _public(_sim_bulk_wait_group,
+                          lambda: _make_gpu_bulk_wait("bulk_wait_group", "cp.async.bulk.wait_group"))
 
 
 def wgmma(n, kind):

@@ -202,7 +202,33 @@ def test_backward_tc_grid_layout(xp, rng, kind, deterministic, causal, n_q, n_k,
     check_against_reference(got, values, scale, causal, kind)
 
 
-@pytest.mark.parametrize("layout", ["registers", "grid"])
+# bulk_dq: (kind, causal, seqlen_q, seqlen_k, head dim, block_m, block_n, warps_keys, warps_dq_rows).
+BULK = [
+    ("bfloat16", True, 70, 45, 32, 32, 64, 2, 2),  # 2 × 2 warps stage 16 queries × 16 columns each; ragged rows
+    ("float16", False, 37, 50, 40, 64, 64, 4, 4),  # 4 × 1: columns 40..47 padding (staged, not added)
+    ("bfloat16", False, 50, 37, 64, 64, 64, 4, 1),  # 1 × 4, and 64 rows for 128 threads: one per thread
+]
+
+
+@pytest.mark.parametrize("kind,causal,n_q,n_k,d,block_m,block_n,warps_keys,warps_dq_rows", BULK,
+                         ids=[f"{c[0]}-{'causal' if c[1] else 'full'}-{c[2]}x{c[3]}-D{c[4]}-{c[5]}x{c[6]}g{c[7]}{c[8]}b"
+                              for c in BULK])
+def test_backward_tc_grid_bulk_dq(xp, rng, kind, causal, n_q, n_k, d, block_m, block_n, warps_keys, warps_dq_rows):
+    """Atomic dQ of the grid layout through a shared staging tile and the bulk copy engine (``bulk_dq``;
+    sm_90).  The simulator performs a bulk reduction only at the issuing thread's wait, reading the tile then:
+    a tile rewritten before the wait, the last tile's rows not reduced or not waited for before the kernel
+    ends, a row past seqlen_q or a column of padding added, or rows the warps had not all staged give a
+    wrong dq."""
+    if not SIMULATOR and compute_capability() < (9, 0):
+        pytest.skip("cp.reduce.async.bulk needs sm_90")
+    cfg = T.TCBackwardConfig(block_m, block_n, d, kind, kv_in_registers=False, warps_keys=warps_keys,
+                             warps_dq_rows=warps_dq_rows, bulk_dq=True)
+    assert cfg.dq_stage_pitch == cfg.d_pad + 8
+    got, values, scale = run_backward(xp, rng, n_q, n_k, d, kind, causal, False, heads=2, cfg=cfg)
+    check_against_reference(got, values, scale, causal, kind)
+
+
+@pytest.mark.parametrize("layout", ["registers", "grid", "grid-bulk"])
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
 def test_backward_tc_one_barrier_schedule(xp, rng, lagging_warp, deterministic, layout):
     """Both kernels' one-barrier-per-tile schedule: a tile's copies (rows, and lse2, D) start right after the
@@ -214,8 +240,11 @@ def test_backward_tc_one_barrier_schedule(xp, rng, lagging_warp, deterministic, 
     has a second barrier per tile (Pᵀ, dSᵀ through shared memory): a warp that ran ahead into the next
     tile's step d, or read them before every warp wrote them, would corrupt dK, dV and dQ."""
     cfg, n_q, d = None, 61, 16
-    if layout == "grid":  # 2 × 2 warps over 64 keys × 32 queries: queries 50..99 in 3 tiles for the one key block
-        cfg = T.TCBackwardConfig(32, 64, 32, "bfloat16", kv_in_registers=False, warps_keys=2, warps_dq_rows=2)
+    if layout.startswith("grid"):  # 2 × 2 warps over 64 keys × 32 queries: queries 50..99 in 3 tiles for one key block
+        if layout == "grid-bulk" and deterministic:
+            pytest.skip("bulk_dq changes only the atomic route")
+        cfg = T.TCBackwardConfig(32, 64, 32, "bfloat16", kv_in_registers=False, warps_keys=2, warps_dq_rows=2,
+                                 bulk_dq=layout == "grid-bulk")
         n_q, d = 100, 32
     got, values, scale = run_backward(xp, rng, n_q, 50, d, "bfloat16", True, deterministic, cfg=cfg)
     check_against_reference(got, values, scale, True, "bfloat16")
@@ -307,6 +336,11 @@ def test_config_and_can_implement():
             T.TCBackwardConfig(**{**grid, **bad})
     fa2 = T.TCBackwardConfig(**grid, warps_keys=4, warps_dq_rows=2)
     assert fa2.grid and not T.TCBackwardConfig(**grid).grid
+    with pytest.raises(ValueError, match="bulk_dq"):
+        T.TCBackwardConfig(**grid, bulk_dq=True)
+    bulk = dataclasses.replace(fa2, bulk_dq=True)  # + the staging tile of dQ_i: 64 queries × (128 + 8) float32
+    assert T.shared_bytes(bulk, "dkdv_atomic") == 177152 + 64 * 136 * 4
+    assert T.shared_bytes(bulk, "dkdv") == 177152
     # K, V: 2 · 128 · 136; Q, dO: 2 · 2 · 64 · 136; lse2, D: 2 · 2 · 64 floats; Pᵀ, dSᵀ: 2 · 128 · 72 (16-bit)
     assert [T.shared_bytes(fa2, n) for n in ("dkdv", "dkdv_atomic")] == [177152, 177152]
     with pytest.raises(ValueError, match="needs d_slice"):  # more than 128 gradient columns per block
@@ -356,16 +390,20 @@ def test_config_and_can_implement():
     # The atomic route above D = 64: 8 warps, 128 keys per block, where shared memory allows (else the 64 × 64 tiles).
     a64, a128 = (T.choose_config(d, "bfloat16", simulator=False, cc=(9, 0), max_shared=227 * 1024, atomic=True)
                  for d in (64, 128))
-    assert (a64.block_m, a64.block_n, a128.block_m, a128.block_n) == (64, 64, 64, 128)
-    assert not a64.grid and (a128.warps_keys, a128.warps_dq_rows) == (4, 2)  # FlashAttention-2's warp grid
-    assert T.shared_bytes(a128, "dkdv_atomic") == 177152
+    assert (a64.block_m, a64.block_n, a128.block_m, a128.block_n) == (128, 128, 64, 128)
+    assert (a64.warps_keys, a64.warps_dq_rows, a128.warps_keys, a128.warps_dq_rows) == (4, 4, 4, 2)  # FA2's grids
+    assert not a128.bulk_dq and T.shared_bytes(a128, "dkdv_atomic") == 177152  # red.global.add: the measured faster
+    assert T.shared_bytes(a64, "dkdv_atomic") == 182272  # K, V 2·128·72; Q, dO 2·2·128·72; lse2, D; Pᵀ, dSᵀ 2·128·136
+    small64 = T.choose_config(64, "bfloat16", simulator=False, cc=(8, 0), max_shared=163 * 1024, atomic=True)
+    assert small64 == T.choose_config(64, "bfloat16", simulator=False, cc=(8, 0), max_shared=163 * 1024)  # 64 × 64
     # Padded 96: 6 column tiles, dQ's warps 4 × 2; padded 80 (5 tiles) cannot be split: the register layout.
     a96, a72 = (T.choose_config(d, "bfloat16", simulator=False, cc=(9, 0), max_shared=227 * 1024, atomic=True)
                 for d in (96, 72))
     assert (a96.warps_keys, a96.warps_dq_rows) == (4, 4) and not a72.grid and a72.block_n == 128
+    assert not a96.bulk_dq and a96.dq_stage_pitch == 104
     # Less shared memory (A100: 163 KB): the register layout's 64 × 128 tiles (155 KB), then the 64 × 64 ones.
     a100 = T.choose_config(128, "bfloat16", simulator=False, cc=(8, 0), max_shared=163 * 1024, atomic=True)
-    assert not a100.grid and a100.block_n == 128
+    assert not a100.grid and a100.block_n == 128 and not a100.bulk_dq
     assert T.shared_bytes(a100, "dkdv_atomic") == 158720  # K, V: 2 · 128 · 136; Q, dO: 2 · 2 · 64 · 136; dSᵀ 128 · 72
     fallback = T.choose_config(128, "bfloat16", simulator=False, cc=(8, 0), max_shared=150 * 1024, atomic=True)
     assert fallback == T.choose_config(128, "bfloat16", simulator=False, cc=(8, 0), max_shared=150 * 1024)
@@ -401,7 +439,8 @@ for i, (cc, (name, cfg, kern, sig, fastmath)) in enumerate(ptx_jobs()):
     print(json.dumps(dict(kernel=name, sm=cc, head_dim=cfg.head_dim, d_pad=cfg.d_pad, slice_cols=cfg.slice_cols,
                           kind=cfg.input_kind,
                           block_m=cfg.block_m, block_n=cfg.block_n, vector_red=cfg.vector_red, grid=cfg.grid,
-                          warps=cfg.warps,
+                          warps=cfg.warps, bulk_dq=cfg.bulk_dq,
+                          bulk=ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"),
                           local=len(re.findall(r"\b(?:ld|st)\.local\b", ptx)),
                           regs=info["registers"], spill_bytes=info["spill_bytes"],
                           mma=ptx.count("mma.sync.aligned.m16n8k16"),
@@ -437,14 +476,18 @@ def test_backward_tc_compiles_for_sm80_sm90_in_registers(part):
             m16, n16, d16 = row["block_m"] // 16, row["block_n"] // 16, d_pad // 16
             products = 4 * n16 * m16 * d16 + (m16 * d16 * n16 if row["kernel"].endswith("atomic_tc") else 0)
             assert row["mma"] == 2 * products // row["warps"], row  # two m16n8k16 per 16 × 16 × 16 piece
-        # Atomic dQ by global reductions only (no generic-address atom): v2 pairs on sm_90, scalars on sm_80.
+        # Atomic dQ by global reductions only (no generic-address atom): v2 pairs on sm_90, scalars on sm_80, or
+        # (bulk_dq, sm_90) bulk reductions from shared memory.
         assert row["atom"] == 0, row
         assert row["vector_red"] == (row["sm"] >= 90), row
-        reductions = (row["red_v2"] > 0, row["red"] > 0)
+        assert not row["bulk_dq"] or row["sm"] >= 90, row
+        reductions = (row["red_v2"] > 0, row["red"] > 0, row["bulk"] > 0)
         if row["kernel"] != "flash_backward_dkdv_atomic_tc":
-            assert reductions == (False, False), row
+            assert reductions == (False, False, False), row
+        elif row["bulk_dq"]:
+            assert reductions == (False, False, True), row
         else:
-            assert reductions == ((True, False) if row["vector_red"] else (False, True)), row
+            assert reductions == ((True, False, False) if row["vector_red"] else (False, True, False)), row
 
 
 def test_attention_backward_backend_choice(xp):

@@ -486,3 +486,65 @@ def test_setmaxnreg_takes_an_allowed_count():
     for bad in (16, 100, 264):
         with pytest.raises(ValueError, match="multiple of 8 from 24 to 256"):
             H.setmaxnreg_dec(bad)
+
+
+# ----------------------------------------------------------------------------
+# Bulk reductions: cp.reduce.async.bulk .add.f32 from shared memory
+# ----------------------------------------------------------------------------
+
+ROWS, COLS, PITCH = 8, 12, 16  # a staging tile of 8 rows × 12 float32, rows 16 floats (64 bytes) apart
+
+
+@kernel
+def _bulk_rows(src, dst, rounds, fence):
+    """Each of ROWS threads stages one row of ``src`` (plus ``round``) in shared memory, and thread r + 1 (mod ROWS)
+    adds that row into ``dst[r]`` by one bulk reduction per round — another thread's stores, so fence and barrier
+    matter; the tile is restaged every round, so the read wait matters."""
+    tid = cuda.threadIdx.x
+    stage = cuda.shared.array(ROWS * PITCH, numba.float32)
+    base = I.global_address(dst, (0, 0))
+    for rnd in range(rounds):
+        H.bulk_wait_group_read(0)  # my previous reduction has read its row ...
+        cuda.syncthreads()  # ... and everybody's has: the tile may be rewritten
+        for c in range(COLS):
+            stage[tid * PITCH + c] = src[tid, c] + numba.float32(rnd)
+        if fence:
+            H.fence_proxy_async()
+        cuda.syncthreads()
+        r = (tid + ROWS - 1) % ROWS
+        H.bulk_reduce_add_f32(base + r * dst.strides[0], stage, r * PITCH, 4 * COLS)
+        H.bulk_commit_group()
+    H.bulk_wait_group(0)
+
+
+def test_bulk_reduce_adds_rows_from_shared_memory(rng, xp):
+    """Every round's staged rows land in dst, added to what was there; columns past COLS stay untouched."""
+    src = rng.standard_normal((ROWS, COLS)).astype(np.float32)
+    dst0 = rng.standard_normal((ROWS, COLS + 4)).astype(np.float32)
+    if not SIMULATOR:
+        from nbflash._device import compute_capability
+
+        if compute_capability() < (9, 0):
+            pytest.skip("cp.reduce.async.bulk needs sm_90")
+    want = dst0.astype(np.float64)
+    d_src, d_dst = xp.asarray(src), xp.asarray(dst0.copy())
+    _bulk_rows[1, ROWS](d_src, d_dst, 3, True)
+    got = d_dst.get() if hasattr(d_dst, "get") else d_dst
+    want[:, :COLS] += 3 * src + (0 + 1 + 2)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@sim_only
+def test_simulator_refuses_unfenced_or_misaligned_bulk_reductions(rng):
+    src = rng.standard_normal((ROWS, COLS)).astype(np.float32)
+    with pytest.raises(RuntimeError, match="fence_proxy_async"):
+        _bulk_rows[1, ROWS](src, np.zeros((ROWS, COLS), np.float32), 1, False)
+
+    @kernel
+    def odd_size(dst):
+        stage = cuda.shared.array(16, numba.float32)
+        H.fence_proxy_async()
+        H.bulk_reduce_add_f32(I.global_address(dst, 0), stage, 0, 20)
+
+    with pytest.raises(ValueError, match="multiple of 16"):
+        odd_size[1, 1](np.zeros(16, np.float32))
