@@ -498,9 +498,9 @@ def run_backward(
     :func:`attention_backward`); ``empty(shape, dtype)`` allocates the scratch (default: q's array module).
     """
     if deterministic is None:  # atomic dQ for SIMT, and for mma.sync from D = 64 where its tiles fit
-        deterministic = plan.backend == "wgmma" or (plan.backend == "tensor_core" and plan.config.d_pad <= 64 and not (
-            plan.config.d_pad == 64
-            and _bwd_tc.choose_config(plan.config.head_dim, plan.config.input_kind, atomic=True).grid))
+        deterministic = plan.backend == "wgmma" or (
+            plan.backend == "tensor_core" and plan.config.d_pad <= 64
+            and not _bwd_tc.choose_config(plan.config.head_dim, plan.config.input_kind, atomic=True).grid)
     flags = dict(deterministic=bool(deterministic), stream=stream, empty=empty)
     if plan.backend == "tensor_core":  # the plan checked do, q, k, v, o; dq, dk, dv are the caller's fresh arrays
         cfg = plan.config

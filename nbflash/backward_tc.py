@@ -154,16 +154,7 @@ import numpy as np
 from . import backward as bw
 from . import hopper as H
 from . import intrinsics as I
-from ._device import (
-    SIMULATOR,
-    compute_capability,
-    cuda,
-    device_function,
-    kernel,
-    launch,
-    max_shared_per_block,
-    numba,
-)
+from ._device import SIMULATOR, compute_capability, cuda, device_function, kernel, launch, max_shared_per_block, numba
 from ._tiles import LOG2E, HeadDimSlices, make_padded_offset, make_storer, make_tc_tile_copier
 from ._validate import array_module, tile_rows_problem
 from .masking import d_key_range, d_query_range, d_row_key_end, d_tile_needs_mask
@@ -238,7 +229,7 @@ class TCBackwardConfig(HeadDimSlices):
         if self.warps_keys or self.warps_dq_rows:
             self._check_grid()
         if self.bulk_dq and not self.grid:
-            raise ValueError("bulk_dq stages each warp's dQ_i block of the grid layout: it needs warps_keys > 0")
+            raise ValueError("bulk_dq stages dQ_i in the grid layout's dK/dV kernel: it needs warps_keys > 0")
 
     def _check_grid(self):
         """The grid layout's constraints: whole 16-row (16-column) fragment tiles for every warp."""

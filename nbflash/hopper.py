@@ -226,11 +226,11 @@ __all__ = [
     "WGMMA_N",
     "acc_frag_index",
     "acc_from_array",
+    "acc_to_array",
     "bulk_commit_group",
     "bulk_reduce_add_f32",
     "bulk_wait_group",
     "bulk_wait_group_read",
-    "acc_to_array",
     "d_acc_frag_index",
     "d_kmajor_interleave_offset",
     "d_kmajor_sw128_offset",
@@ -530,11 +530,12 @@ def _sim_warpgroup():
 
 
 def _thread_state():
-    """This simulated thread's wgmma bookkeeping: has it fenced registers / the async proxy?"""
+    """This simulated thread's bookkeeping: has it fenced registers / the async proxy, and its bulk reductions
+    issued but not committed (``bulk_pending``) and committed groups (``bulk_groups``, oldest first)?"""
     thread = threading.current_thread()
     state = getattr(thread, "_nbflash_wgmma", None)
     if state is None:
-        state = thread._nbflash_wgmma = {"fenced": False, "landed": []}
+        state = thread._nbflash_wgmma = {"fenced": False, "landed": [], "bulk_pending": [], "bulk_groups": []}
     return state
 
 
@@ -888,15 +889,6 @@ def _make_gpu_statement(name, ptx):
     return intrinsic(statement)
 
 
-def _bulk_state():
-    """This simulated thread's bulk reductions: issued but not committed, and committed groups (oldest first)."""
-    thread = threading.current_thread()
-    state = getattr(thread, "_nbflash_bulk", None)
-    if state is None:
-        state = thread._nbflash_bulk = {"pending": [], "groups": []}
-    return state
-
-
 def _sim_bulk_reduce_add_f32(address, smem, offset, nbytes):
     """Start ``address[0 : nbytes / 4] += smem[offset : offset + nbytes / 4]`` (float32, each element atomically).
 
@@ -923,7 +915,7 @@ def _sim_bulk_reduce_add_f32(address, smem, offset, nbytes):
         raise RuntimeError("bulk reduction issued before any fence_proxy_async() in the block: the shared source, "
                            "written by ordinary stores, is not yet visible to the async proxy")
     address.elements(nbytes // 4, 16)  # bounds and alignment, now
-    _bulk_state()["pending"].append((address, smem, int(offset), nbytes // 4))
+    _thread_state()["bulk_pending"].append((address, smem, int(offset), nbytes // 4))
 
 
 def _sim_bulk_commit_group():
@@ -931,13 +923,13 @@ def _sim_bulk_commit_group():
 
     PTX: ``cp.async.bulk.commit_group``; sm_90.  (An empty group is allowed.)
     """
-    state = _bulk_state()
-    state["groups"].append(state["pending"])
-    state["pending"] = []
+    state = _thread_state()
+    state["bulk_groups"].append(state["bulk_pending"])
+    state["bulk_pending"] = []
 
 
 def _sim_bulk_wait(n):
-    groups = _bulk_state()["groups"]
+    groups = _thread_state()["bulk_groups"]
     while len(groups) > n:
         for address, smem, offset, count in groups.pop(0):
             I._sim_red_add(address, [smem[offset + e] for e in range(count)], 16)
@@ -1011,34 +1003,24 @@ def _gpu_bulk_reduce_add_f32(typingctx, address, smem, offset, nbytes):
     return sig, codegen
 
 
-def _make_gpu_bulk_wait(name, ptx):
+def _make_gpu_wait(name, ptx, warp_wide=False):
+    """An intrinsic ``wait(n)`` emitting ``ptx n`` (a wait on groups: ``n`` an immediate, a compile-time
+    constant), kept in place with memory clobbered; ``warp_wide`` for the ``.sync.aligned`` forms."""
+
     def wait(typingctx, n):
         if not isinstance(n, types.IntegerLiteral):
             return None  # an immediate: n must be a compile-time constant
         groups = int(n.literal_value)
 
         def codegen(context, builder, sig, args):
-            _asm(builder, ir.VoidType(), [], f"{ptx} {groups};", "~{memory}", [], side_effect=True)
+            _asm(builder, ir.VoidType(), [], f"{ptx} {groups};", "~{memory}", [], side_effect=True,
+                 warp_wide=warp_wide)
             return context.get_dummy_value()
 
         return types.void(n), codegen
 
     wait.__name__ = name
     return intrinsic(wait)
-
-
-@intrinsic
-def _gpu_wgmma_wait_group(typingctx, n):
-    if not isinstance(n, types.IntegerLiteral):
-        return None  # wait_group takes an immediate: n must be a compile-time constant
-    groups = int(n.literal_value)
-
-    def codegen(context, builder, sig, args):
-        _asm(builder, ir.VoidType(), [], f"wgmma.wait_group.sync.aligned {groups};", "~{memory}", [],
-             side_effect=True, warp_wide=True)
-        return context.get_dummy_value()
-
-    return types.void(n), codegen
 
 
 def _is_acc(acc):
@@ -1205,7 +1187,8 @@ smem_address = _public(_sim_smem_address, lambda: _gpu_smem_address)
 wgmma_fence = _public(_sim_wgmma_fence, lambda: _make_gpu_statement("wgmma_fence", "wgmma.fence.sync.aligned;"))
 wgmma_commit_group = _public(_sim_wgmma_commit_group,
                              lambda: _make_gpu_statement("wgmma_commit_group", "wgmma.commit_group.sync.aligned;"))
-wgmma_wait_group = _public(_sim_wgmma_wait_group, lambda: _gpu_wgmma_wait_group)
+wgmma_wait_group = _public(_sim_wgmma_wait_group,
+                           lambda: _make_gpu_wait("wgmma_wait_group", "wgmma.wait_group.sync.aligned", warp_wide=True))
 fence_proxy_async = _public(_sim_fence_proxy_async,
                             lambda: _make_gpu_statement("fence_proxy_async", "fence.proxy.async.shared::cta;"))
 wgmma_fence_operand = _public(_sim_wgmma_fence_operand, lambda: _gpu_wgmma_fence_operand)
@@ -1238,9 +1221,9 @@ bulk_reduce_add_f32 = _public(_sim_bulk_reduce_add_f32, lambda: _gpu_bulk_reduce
 bulk_commit_group = _public(_sim_bulk_commit_group,
                             lambda: _make_gpu_statement("bulk_commit_group", "cp.async.bulk.commit_group;"))
 bulk_wait_group_read = _public(_sim_bulk_wait_group_read,
-                               lambda: _make_gpu_bulk_wait("bulk_wait_group_read", "cp.async.bulk.wait_group.read"))
+                               lambda: _make_gpu_wait("bulk_wait_group_read", "cp.async.bulk.wait_group.read"))
 bulk_wait_group = _public(_sim_bulk_wait_group,
-                          lambda: _make_gpu_bulk_wait("bulk_wait_group", "cp.async.bulk.wait_group"))
+                          lambda: _make_gpu_wait("bulk_wait_group", "cp.async.bulk.wait_group"))
 
 
 def wgmma(n, kind):

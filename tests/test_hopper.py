@@ -24,7 +24,7 @@ from offline import TESTS, offline_json_rows
 
 from nbflash import hopper as H
 from nbflash import intrinsics as I
-from nbflash._device import SIMULATOR, cuda, kernel, numba
+from nbflash._device import SIMULATOR, compute_capability, cuda, kernel, numba
 
 sim_only = pytest.mark.skipif(not SIMULATOR, reason="simulator test")
 KINDS = ["f16", "bf16"]
@@ -521,11 +521,8 @@ def test_bulk_reduce_adds_rows_from_shared_memory(rng, xp):
     """Every round's staged rows land in dst, added to what was there; columns past COLS stay untouched."""
     src = rng.standard_normal((ROWS, COLS)).astype(np.float32)
     dst0 = rng.standard_normal((ROWS, COLS + 4)).astype(np.float32)
-    if not SIMULATOR:
-        from nbflash._device import compute_capability
-
-        if compute_capability() < (9, 0):
-            pytest.skip("cp.reduce.async.bulk needs sm_90")
+    if not SIMULATOR and compute_capability() < (9, 0):
+        pytest.skip("cp.reduce.async.bulk needs sm_90")
     want = dst0.astype(np.float64)
     d_src, d_dst = xp.asarray(src), xp.asarray(dst0.copy())
     _bulk_rows[1, ROWS](d_src, d_dst, 3, True)
