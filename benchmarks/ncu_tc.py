@@ -4,27 +4,30 @@
         --metrics sm__inst_executed.sum,gpu__time_duration.sum,... python benchmarks/ncu_tc.py fwd 128 0
 
 Arguments: ``fwd``, ``bwd`` (deterministic dQ) or ``bwd-atomic`` (atomic dQ: the default above D = 64, with
-the dK/dV kernel in FlashAttention-2's warp grid at D = 96 and 128), the head dim, and 1 for causal.
+the dK/dV kernel in FlashAttention-2's warp grid at D = 96 and 128) or ``bwd-bulk`` (that route's kernel with
+``bulk_dq``: dQ by bulk reductions from shared memory, sm_90), the head dim, and 1 for causal.
 bf16, N = 4096, batch 4, heads·D = 2048;
 three repetitions, so that ``--launch-skip`` can pass the first (compiling) one.  Each repetition
 launches nbflash's kernels first, then SDPA flash's (forward: 2 kernels; backward: 8).
 ``benchmarks/results/ncu-tc-H200-2026-11-30.txt`` was made with it.
 """
 
+import dataclasses
 import os
 import sys
 
+import cupy as cp
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.tc_sweep import as_cupy  # noqa: E402
-from nbflash import api  # noqa: E402
+from nbflash import api, backward_tc  # noqa: E402
 
 what, d, causal = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
-if what not in ("fwd", "bwd", "bwd-atomic"):
-    sys.exit(f"the first argument must be fwd, bwd or bwd-atomic, got {what!r}")
+if what not in ("fwd", "bwd", "bwd-atomic", "bwd-bulk"):
+    sys.exit(f"the first argument must be fwd, bwd, bwd-atomic or bwd-bulk, got {what!r}")
 backward = what.startswith("bwd")
 torch.manual_seed(0)
 B, H, N = 4, 2048 // d, 4096
@@ -32,7 +35,11 @@ q, k, v, do = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16) for 
 cq, ck, cv, cdo = (as_cupy(x) for x in (q, k, v, do))
 for _ in range(3):
     o, lse = api.forward_arrays(cq, ck, cv, causal=causal, bf16_bits=True, backend="tensor_core")
-    if backward:
+    if what == "bwd-bulk":
+        cfg = dataclasses.replace(backward_tc.choose_config(d, "bfloat16", atomic=True), bulk_dq=True)
+        grads = [cp.empty_like(x) for x in (cq, ck, cv)]
+        backward_tc.launch_backward_tc(cfg, cdo, cq, ck, cv, o, lse, *grads, d**-0.5, causal, deterministic=False)
+    elif backward:
         api.backward_arrays(cdo, cq, ck, cv, o, lse, causal=causal, bf16_bits=True,
                             deterministic=what == "bwd", backend="tensor_core")
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):

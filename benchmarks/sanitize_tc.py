@@ -2,6 +2,7 @@
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize_tc.py
     compute-sanitizer --tool racecheck python benchmarks/sanitize_tc.py --mma-backward   # that backward only
+    compute-sanitizer --tool racecheck python benchmarks/sanitize_tc.py --bulk-dq   # the opt-in bulk_dq backward only
 
 The ``mma.sync`` forward and backward (both dQ routes) at head dims 40, 64, 128 and 256 (40: padded to 48
 in shared memory; 256: two 128-column slices per key tile),
@@ -10,6 +11,10 @@ routes; the forward's producer copies by TMA), the forward that copies with cp.a
 128, and the long-sequence default at both (at D = 64 a 128 × 192 ws-overlap kernel): bshd views, ragged K/V
 (seqlen_q ≠ seqlen_k), causal with rows that see no key — whole tiles take the tile copier's short path, the
 last ones its general path, and every output goes through the packed-pair epilogue.
+
+``--bulk-dq`` (sm_90): only the grid layout's atomic backward with ``bulk_dq`` (dQ by bulk reductions from shared
+memory, :mod:`nbflash.backward_tc`), at its D = 64 and 128 tiles (128 × 128, 64 × 128), launched directly on the
+same ragged causal shapes, plus three query tiles per key block at N_q = 300.
 """
 
 import os
@@ -23,6 +28,21 @@ import nbflash  # noqa: E402
 from nbflash import forward_wgmma  # noqa: E402
 
 mma_backward_only = "--mma-backward" in sys.argv[1:]
+if "--bulk-dq" in sys.argv[1:]:
+    from nbflash import backward_tc
+
+    for d, (bm, bn, wk, wq) in ((64, (128, 128, 4, 4)), (128, (64, 128, 4, 2))):
+        cfg = backward_tc.TCBackwardConfig(bm, bn, d, "float16", kv_in_registers=False, vector_red=True,
+                                           warps_keys=wk, warps_dq_rows=wq, bulk_dq=True)
+        for n_q, n_k in ((150, 131), (300, 131)):
+            q = cp.random.standard_normal((1, 2, n_q, d)).astype(cp.float16)
+            k, v = (cp.random.standard_normal((1, 2, n_k, d)).astype(cp.float16) for _ in range(2))
+            o, lse = nbflash.attention(q, k, v, causal=True, return_lse=True, backend="tensor_core")
+            dq, dk, dv = cp.empty_like(q), cp.empty_like(k), cp.empty_like(v)
+            backward_tc.launch_backward_tc(cfg, q, q, k, v, o, lse, dq, dk, dv, d**-0.5, True, deterministic=False)
+    cp.cuda.Device().synchronize()
+    print("sanitize_tc: bulk_dq kernels ran")
+    sys.exit(0)
 hopper = nbflash._device.compute_capability()[0] == 9 and not mma_backward_only
 for d in (40, 64, 128, 256):
     x = cp.random.standard_normal((1, 150, 2, d)).astype(cp.float16)

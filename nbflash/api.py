@@ -334,7 +334,9 @@ def attention_backward(
             ``…-d64-fa2tile.json``, ``…-bulk.json``): at D = 64 the atomic
             route with FlashAttention-2's 128 × 128 tiles and warp grid
             124–239 TFLOP/s (geomean 194) against 137–212 (185–187)
-            deterministic (it loses only at causal N = 1k); at D = 128
+            deterministic (it loses only at causal N = 1k), and from
+            N_q = 2048 on sm_90 with dQ added by bulk reductions from shared
+            memory, 165–249 (``…-bulk-tile*.json``; 2–4 % over ``red``); at D = 128
             the atomic route, with FlashAttention-2's 8-warp 64 × 128 tiles
             and its warp grid, 189–270 against 183–222 non-causal and
             133–266 against 146–220 causal (it loses only at causal N = 1k);
@@ -505,7 +507,7 @@ def run_backward(
     if plan.backend == "tensor_core":  # the plan checked do, q, k, v, o; dq, dk, dv are the caller's fresh arrays
         cfg = plan.config
         if not flags["deterministic"]:  # the atomic route's own tiles (the same array rules; shared memory checked)
-            cfg = _bwd_tc.choose_config(cfg.head_dim, cfg.input_kind, atomic=True)
+            cfg = _bwd_tc.choose_config(cfg.head_dim, cfg.input_kind, atomic=True, seqlen_q=q.shape[2])
         _bwd_tc.launch_backward_tc(cfg, do, q, k, v, o, lse, dq, dk, dv, scale, bool(causal), check=False, **flags)
     elif plan.backend == "wgmma":  # atomic only where the configuration has it (64-query streamed tiles)
         cfg = plan.config

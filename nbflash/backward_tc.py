@@ -11,6 +11,8 @@ Shapes (every tensor indexed ``[batch, head, row, d]``; ``bshd`` arrives as a st
     q, o, do, dq   (B, H, N_q, D)      k, v, dk, dv   (B, H, N_k, D)      float16, or bfloat16 as uint16 bits
     lse            (B, H, N_q)  float32, from the forward
     delta, lse2    (B, H, N_q)  float32 scratch (step 0)     dq_accum  (B, H, N_q, D)  float32 (atomic dQ)
+    bulk_dq's dq_accum  (B, H, N_q rounded up to whole query tiles, D padded to 16)  float32, each query tile in
+                   the fragment order of dq_tile_position
 
 The gradients, with ``P_ij = exp(S_ij·scale − lse_i)`` recomputed tile by tile::
 
@@ -70,7 +72,8 @@ where ``D_i = rowsum(dO_i ∘ O_i)``.
    (A = dS packed, B = K_j by ``ldmatrix.trans``).  ``dQ_i · scale`` written once.
 
 2'. **Convert**, atomic variant — the SIMT kernel of :mod:`nbflash.backward`:
-   ``dq = accumulator · scale`` in the output type.
+   ``dq = accumulator · scale`` in the output type (with ``bulk_dq``: :func:`dq_tile_convert_kernel`, which
+   reads the accumulator's tiles in fragment order).
 
 **The grid layout** (:attr:`TCBackwardConfig.warps_keys`; :func:`_dkdv_grid_kernel`).  In the layout
 above a warp owns 16 keys and *all* of every product's other side, so each ``ldmatrix`` of a B operand
@@ -112,6 +115,7 @@ D, or every slice whole), every row padded by 8 elements (16 bytes) so that
             lse2, D      2 × 2 buffers × BLOCK_M                 4 bytes each
             dSᵀ          BLOCK_N × (BLOCK_M + 8)                 atomic variant, and the grid layout
             Pᵀ           BLOCK_N × (BLOCK_M + 8)                 the grid layout
+            dQ_i         BLOCK_M × D padded to 16                4 bytes each; bulk_dq's staging
     dQ:     Q_i, dO_i    2 × BLOCK_N × (C + 8)                   (the dQ kernel's query tile is BLOCK_N)
             K_j, V_j     2 × 2 buffers × BLOCK_M × (C + 8)
 
@@ -119,7 +123,8 @@ D, or every slice whole), every row padded by 8 elements (16 bytes) so that
     D=128 (64 × 64 tiles):          dK/dV 105 472 bytes (atomic 114 688), dQ 104 448
     D=128 (64 keys × 32 queries, where a block gets less than that): 70 144 (75 264), 69 632
     D=128 (128 keys × 64 queries, the atomic route's 8 warps):       atomic 158 720
-    D=128 (128 keys × 64 queries, grid layout):                      dK/dV 177 152 (both routes)
+    D=128 (128 keys × 64 queries, grid layout):                      dK/dV 177 152 (both routes; bulk_dq 209 920)
+    D=64 (128 keys × 128 queries, grid layout, the atomic default):  182 272 (bulk_dq, N_q ≥ 2048: 215 040)
     D=256 (128 keys × 32 queries, two slices of 128): dK/dV 203 264 (atomic 213 504), dQ 202 752
     D=256 (64 keys × 32 queries, where a block gets less):              135 680 (140 800), 135 168
 
@@ -140,6 +145,9 @@ N = 1k–16k, the same run as FlashAttention-2): deterministic 139–221
 TFLOP/s, 0.72–0.89×; atomic at D = 128 with 64 × 128 tiles 127–252, 0.74–0.82×.  With the grid
 layout's dK/dV kernel on those tiles (``tc-backward-NVIDIA-H200-2026-12-02-grid.json``): atomic at
 D = 128 133–270 TFLOP/s, 0.78–0.88× FlashAttention-2 in the same run (+5–9 % over the register layout).
+With ``bulk_dq`` (dQ by one bulk reduction per warp and tile, the accumulator in fragment order;
+``tc-backward-NVIDIA-H200-2026-12-02-bulk-tile*.json``): 2–4 % faster at D = 64 from N = 2k, the default
+there on sm_90; within ±2 % at D = 128, where ``red`` stays.
 :func:`nbflash.attention_backward` runs it for float16/bfloat16 (``backend=``).
 """
 
@@ -154,18 +162,31 @@ import numpy as np
 from . import backward as bw
 from . import hopper as H
 from . import intrinsics as I
-from ._device import SIMULATOR, compute_capability, cuda, device_function, kernel, launch, max_shared_per_block, numba
+from ._device import (
+    SIMULATOR,
+    compute_capability,
+    cuda,
+    device_function,
+    kernel,
+    launch,
+    max_shared_per_block,
+    numba,
+    syncwarp,
+)
 from ._tiles import LOG2E, HeadDimSlices, make_padded_offset, make_storer, make_tc_tile_copier
 from ._validate import array_module, tile_rows_problem
 from .masking import d_key_range, d_query_range, d_row_key_end, d_tile_needs_mask
 
 __all__ = [
+    "BULK_DQ_MIN_QUERIES",
     "TCBackwardConfig",
     "can_implement",
     "choose_config",
     "compile_targets",
     "dkdv_tc_kernel",
     "dq_tc_kernel",
+    "dq_tile_convert_kernel",
+    "dq_tile_position",
     "kernel_signature",
     "launch_backward_tc",
     "shared_bytes",
@@ -206,9 +227,10 @@ class TCBackwardConfig(HeadDimSlices):
     # ``warps_dq_rows`` groups along the queries of step 1g's dQ_i, the rest along its columns.
     warps_keys: int = 0
     warps_dq_rows: int = 0
-    # Atomic dQ in the grid layout: dQ_i is stored to a shared staging tile and added into the float32 accumulator
-    # by the bulk copy engine, one ``cp.reduce.async.bulk .add.f32`` per row (sm_90+), instead of by
-    # ``red.global.add`` from registers.
+    # Atomic dQ in the grid layout: each warp stores its part of dQ_i to shared memory and the bulk copy engine adds
+    # it into the float32 accumulator, one ``cp.reduce.async.bulk .add.f32`` per warp and query tile (sm_90+),
+    # instead of ``red.global.add`` from registers.  The accumulator then holds each query tile in the warps'
+    # fragment order (:func:`dq_tile_position`), and step 2' reads it back in that order.
     bulk_dq: bool = False
 
     def __post_init__(self):
@@ -254,10 +276,10 @@ class TCBackwardConfig(HeadDimSlices):
         return self.warps_keys > 0
 
     @property
-    def dq_stage_pitch(self) -> int:
-        """Row pitch (float32) of the ``bulk_dq`` staging tile of dQ_i, ``block_m`` rows: the padded head dim plus
-        8, so that the 8-byte stores of rows g = 0..3 (one wavefront of a half-warp) start 8 or 24 banks apart."""
-        return self.d_pad + 8
+    def dq_warp_tile(self) -> tuple[int, int]:
+        """Step 1g's warp tile of dQ_i in the grid layout: (queries, columns) of one warp, ``warps_dq_rows`` warps
+        down the ``block_m`` queries and the rest across the padded head dim."""
+        return self.block_m // self.warps_dq_rows, self.d_pad * self.warps_dq_rows // self.warps
 
     @property
     def warps(self) -> int:
@@ -309,7 +331,7 @@ def shared_offsets(cfg: TCBackwardConfig, name: str) -> dict[str, int]:
         if name == "dkdv_atomic" or cfg.grid:
             put("ds", cfg.block_n * cfg.ds_pitch)  # dSᵀ [key][query], 16-bit, for dQ_i += dS K_j (and grid: dK_j)
         if name == "dkdv_atomic" and cfg.bulk_dq:
-            put("dq", cfg.block_m * cfg.dq_stage_pitch * 2)  # bulk_dq: the float32 staging tile of dQ_i
+            put("dq", cfg.block_m * cfg.d_pad * 2)  # bulk_dq: dQ_i in float32, each warp's part in fragment order
     elif name == "dq":
         put("q", cfg.block_n * P)  # Q_i: the block's queries
         put("do", cfg.block_n * P)  # dO_i
@@ -582,38 +604,68 @@ def _make_dq_adder(cfg: TCBackwardConfig, m_tiles: int, n_tiles: int):
     return device_function(add_dq)
 
 
-def _make_dq_bulk_adder(cfg: TCBackwardConfig, m_tiles: int, n_tiles: int, stage: int):
-    """Step 1g of the grid layout with ``cfg.bulk_dq`` (sm_90): dQ_i into the float32 accumulator through a shared
-    staging tile (``block_m`` rows × the padded head dim, float32 offset ``stage`` of ``smem_f``, row pitch
-    :attr:`~TCBackwardConfig.dq_stage_pitch`) and the bulk copy engine, in two halves a barrier apart:
+def dq_tile_position(cfg: TCBackwardConfig):
+    """The ``bulk_dq`` accumulator's layout: ``position(r, c)``, where query ``r`` (< ``block_m``), column ``c``
+    (< the padded head dim) of a query tile's dQ_i lies among the tile's ``block_m · d_pad`` float32 values.
 
-    * ``stage_dq(dQ, smem_f, row_g, col_t)``: a warp's accumulators (``16 · m_tiles`` queries × ``8 · n_tiles``
-      columns, tiles as in :func:`_make_tile_product`; this thread's row g is tile row ``row_g``, its first
-      column ``col_t``) to the tile, then fenced to the async proxy;
-    * ``reduce_dq(smem_f, dq_rows, dq_row_bytes, q_start, seqlen_q, tid)``, after the barrier that follows every
-      warp's ``stage_dq``: one thread per query row before ``seqlen_q`` starts the reduction of its row's D
-      columns (``dq_rows``: the byte address of ``dq_accum[b, h, 0, 0]``; padding is not added); one group
-      per thread.  The caller waits for the groups' reads (``bulk_wait_group_read``) before the barrier after
-      which the tile is staged again, and for their completion before the kernel exits.
+    A query tile is one contiguous run (rows ``q_start .. q_start + block_m`` of a ``(B, H, N_q padded to whole
+    tiles, d_pad)`` array), so that each warp's part of it, written by the warp to shared memory in the same
+    order, is one contiguous run too and one bulk reduction adds it (FlashAttention-3 keeps its dQ accumulator
+    in the MMA's fragment order for the same reason).  Warp ``w`` of step 1g's grid
+    (:attr:`~TCBackwardConfig.dq_warp_tile`) owns the ``w``-th run of ``R × C`` values; inside it, value ``i``
+    of lane ``lane``'s accumulator tile ``n`` (16 × 8, the mma's C fragment: row ``g + 8(i >> 1)``, column
+    ``2t + (i & 1)`` with ``g, t = lane >> 2, lane & 3``; tile ``n`` as in :func:`_make_tile_product`) is at
+    ``(4n + i) · 32 + lane``, so a warp's 32 stores of one (n, i) are 128 consecutive bytes: no bank conflict.
     """
-    D, PITCH, ROWS, THREADS = cfg.head_dim, cfg.dq_stage_pitch, cfg.block_m, cfg.threads
+    R, C = cfg.dq_warp_tile
+    WDQ = cfg.d_pad // C  # warps across the columns
+    N8 = C // 8  # 8-column accumulator tiles across a warp's columns
 
-    def stage_dq(dQ, smem_f, row_g, col_t):
-        for m in range(m_tiles):
-            for r in range(2):
-                at = stage + (row_g + 16 * m + 8 * r) * PITCH + col_t
-                for n in range(n_tiles):
-                    smem_f[at + 8 * n] = dQ[m * n_tiles + n, 2 * r]
-                    smem_f[at + 8 * n + 1] = dQ[m * n_tiles + n, 2 * r + 1]
-        H.fence_proxy_async()  # these stores, visible to the copy engine (the async proxy) after the next barrier
+    def position(r, c):
+        warp = (r // R) * WDQ + c // C
+        rw, cw = r % R, c % C  # the warp's query and column
+        n = (rw // 16) * N8 + cw // 8
+        lane = 4 * (rw % 8) + (cw % 8) // 2
+        i = 2 * ((rw % 16) // 8) + cw % 2
+        return warp * R * C + (4 * n + i) * 32 + lane
 
-    def reduce_dq(smem_f, dq_rows, dq_row_bytes, q_start, seqlen_q, tid):
-        for r in range(tid, ROWS, THREADS):
-            if q_start + r < seqlen_q:
-                H.bulk_reduce_add_f32(dq_rows + (q_start + r) * dq_row_bytes, smem_f, stage + r * PITCH, 4 * D)
-        H.bulk_commit_group()
+    return position
 
-    return device_function(stage_dq), device_function(reduce_dq)
+
+def _make_dq_bulk_adder(cfg: TCBackwardConfig, stage: int):
+    """Step 1g with ``cfg.bulk_dq`` (sm_90): ``add_dq_bulk(dQ, smem_f, tile_address, warp, lane)`` adds a warp's
+    dQ accumulators (its :attr:`~TCBackwardConfig.dq_warp_tile`) into the query tile of the float32 accumulator
+    that starts at byte address ``tile_address``, through the warp's own part of a shared staging tile (float32
+    offset ``stage`` of ``smem_f``, laid out as :func:`dq_tile_position`) and the bulk copy engine:
+
+    1. lane 0 waits until the copy engine has read what the warp staged for the previous tile (one tile of work
+       ago, so it is long done), and the warp syncs: no lane overwrites the staging before that;
+    2. every lane stores its values and fences them to the async proxy, and the warp syncs;
+    3. lane 0 starts one ``cp.reduce.async.bulk .add.f32`` of the warp's whole part, one group.
+
+    Only the warp's own lanes touch its part, so no block barrier is involved.  Rows past ``seqlen_q`` and
+    columns of padding are added too — into the accumulator's padding, which step 2' does not read.  Before the
+    kernel exits, lane 0 waits for the last group (``bulk_wait_group(0)``).
+    """
+    R, C = cfg.dq_warp_tile
+    TILES = R * C // 128  # 16 × 8 accumulator tiles of a warp
+    WARP_VALUES = R * C
+
+    def add_dq_bulk(dQ, smem_f, tile_address, warp, lane):
+        part = stage + warp * WARP_VALUES
+        if lane == 0:
+            H.bulk_wait_group_read(0)  # the copy engine has read this warp's previous dQ_i ...
+        syncwarp()  # ... before any lane of the warp overwrites it
+        for n in range(TILES):
+            for i in range(4):
+                smem_f[part + (4 * n + i) * 32 + lane] = dQ[n, i]
+        H.fence_proxy_async()  # my stores, visible to the copy engine (the async proxy) ...
+        syncwarp()  # ... and every lane's, before lane 0 hands the part over
+        if lane == 0:
+            H.bulk_reduce_add_f32(tile_address + 4 * warp * WARP_VALUES, smem_f, part, 4 * WARP_VALUES)
+            H.bulk_commit_group()
+
+    return device_function(add_dq_bulk)
 
 
 def _make_query_stream(cfg: TCBackwardConfig, name: str):
@@ -895,10 +947,9 @@ def _dkdv_grid_kernel(cfg: TCBackwardConfig, atomic_dq: bool):
     e–f. ``dV_j += Pᵀ dO_i`` and ``dK_j += dSᵀ Q_i`` on the warp's keys × columns: A = rows of the shared
        Pᵀ (dSᵀ) by ``ldmatrix``, B = dO_i (Q_i) by ``ldmatrix.trans``;
     g. *atomic:* ``dQ_i += dS K_j`` on the warp's queries × columns, A = dS by ``ldmatrix.trans`` of dSᵀ,
-       added into the float32 accumulator by ``red.global.add`` — or, with ``cfg.bulk_dq`` (sm_90), stored to
-       a shared staging tile and added by the bulk copy engine, one ``cp.reduce.async.bulk`` per query row,
-       started after the next tile's first barrier and waited for before its second
-       (:func:`_make_dq_bulk_adder`).
+       added into the float32 accumulator by ``red.global.add`` — or, with ``cfg.bulk_dq`` (sm_90), stored by
+       each warp to its own part of a shared staging tile and added by the bulk copy engine, one
+       ``cp.reduce.async.bulk`` per warp and tile, with no block barrier (:func:`_make_dq_bulk_adder`).
 
     The next tile's first barrier ends every warp's reads of Pᵀ, dSᵀ and of tile i's buffers before either
     is written again.
@@ -930,7 +981,7 @@ def _dkdv_grid_kernel(cfg: TCBackwardConfig, atomic_dq: bool):
     mma_into, pack_pair = _make_fragment_ops(cfg.input_kind)
     first_tile, next_tile = _make_query_stream(cfg, "dkdv_atomic" if atomic_dq else "dkdv")
     store_dkdv, add_dq = _make_dkdv_storer(cfg, KT, 2 * CP), _make_dq_adder(cfg, QTQ, 2 * CPQ)
-    stage_dq, reduce_dq = _make_dq_bulk_adder(cfg, QTQ, 2 * CPQ, off.get("dq", 0) // 2)
+    add_dq_bulk = _make_dq_bulk_adder(cfg, off.get("dq", 0) // 2)
     # Sᵀ = K Qᵀ, dPᵀ = V dOᵀ: A = K (V) rows, B = Q (dO) rows; k = the head dim.
     s_product = _make_tile_product(KT, QP, K_STEPS, False, False, (16 * PITCH, 16), (16 * PITCH, 16), mma_into)
     # dV += Pᵀ dO, dK += dSᵀ Q: A = rows of the shared [key][query] tile, B = dO (Q) k-major; k = the queries.
@@ -988,7 +1039,7 @@ def _dkdv_grid_kernel(cfg: TCBackwardConfig, atomic_dq: bool):
         # Step g's global byte address of dq_accum[b, h, 0, 2t], and the bytes from one query row to the next.
         dq_cols = I.global_address(dq_accum, (b, h, 0, 2 * t))
         dq_row_bytes = dq_accum.strides[2]
-        dq_rows = I.global_address(dq_accum, (b, h, 0, 0))  # bulk_dq: the rows' starts
+        dq_tiles = I.global_address(dq_accum, (b, h, 0, 0))  # bulk_dq: where query tile 0 starts
 
         # K_j, V_j and the first Q_i, dO_i with its lse2, D: one cp.async group.
         i_first, n_tiles = first_tile(smem, smem_f, q, k, v, do, lse2, delta, b, h, k_start, seqlen_q, seqlen_k,
@@ -1001,8 +1052,6 @@ def _dkdv_grid_kernel(cfg: TCBackwardConfig, atomic_dq: bool):
             # Step a: every thread's copies of tile i are visible, and every warp is done with tile i - 1 — its
             # buffers, refilled just below, and the shared Pᵀ, dSᵀ, rewritten in step d.
             cuda.syncthreads()
-            if BULK_DQ and it > 0:  # ... and has staged tile i - 1's dQ: its rows go to the copy engine
-                reduce_dq(smem_f, dq_rows, dq_row_bytes, q_start - BLOCK_M, seqlen_q, tid)
             next_tile(smem, smem_f, q, do, lse2, delta, b, h, q_start, it, n_tiles, seqlen_q, tid)
             q_base = Q_OFF + buf * QD_STRIDE
             do_base = DO_OFF + buf * QD_STRIDE
@@ -1027,10 +1076,7 @@ def _dkdv_grid_kernel(cfg: TCBackwardConfig, atomic_dq: bool):
                     for n in range(2 * QP):
                         smem32[u64(P_OFF // 2) + word + u64(4 * n)] = pack_pair(S, m * 2 * QP + n, 2 * r)
                         smem32[u64(DS_OFF // 2) + word + u64(4 * n)] = pack_pair(dP, m * 2 * QP + n, 2 * r)
-            if BULK_DQ:
-                H.bulk_wait_group_read(0)  # the copy engine has read tile i - 1's staged dQ rows ...
-            cuda.syncthreads()  # steps e–g read rows and columns of Pᵀ and dSᵀ that other warps wrote (... step g
-            # rewrites the staging tile)
+            cuda.syncthreads()  # steps e–g read rows and columns of Pᵀ and dSᵀ that other warps wrote
 
             # Steps e–f: dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i on the warp's keys × columns.
             kv_product(dV, af, smem, p_at, do_base + qk_at)
@@ -1043,16 +1089,13 @@ def _dkdv_grid_kernel(cfg: TCBackwardConfig, atomic_dq: bool):
                         dQ[n, i] = ZERO
                 dq_product(dQ, af, smem, dst_at, kd_at)
                 if BULK_DQ:
-                    stage_dq(dQ, smem_f, dq_q0 + g, dq_c0 + 2 * t)
+                    add_dq_bulk(dQ, smem_f, dq_tiles + q_start * dq_row_bytes, warp, lane)
                 else:
                     add_dq(dQ, dq_cols, dq_row_bytes, q_start + dq_q0 + g, dq_c0, seqlen_q)
 
         I.cp_async_wait_all()  # nothing left in flight (also when no query tile sees these keys)
-        if BULK_DQ:
-            cuda.syncthreads()  # every warp has staged the last tile's dQ
-            if n_tiles > 0:
-                reduce_dq(smem_f, dq_rows, dq_row_bytes, (i_first + n_tiles - 1) * BLOCK_M, seqlen_q, tid)
-            H.bulk_wait_group(0)  # no bulk reduction left in flight
+        if BULK_DQ and lane == 0:
+            H.bulk_wait_group(0)  # this warp's last bulk reduction has read its source and landed
 
         # dK_j · scale and dV_j, written once.
         store_dkdv(dk, dv, dK, dV, b, h, k_start + key0 + g, col0, t, seqlen_k, numba.float32(scale))
@@ -1225,6 +1268,37 @@ def dq_tc_kernel(cfg: TCBackwardConfig):
 # ----------------------------------------------------------------------------
 
 
+@functools.cache
+def dq_tile_convert_kernel(cfg: TCBackwardConfig):
+    """Step 2' for ``cfg.bulk_dq``: ``dq = accumulator · scale`` in the output type, read in the tiles' fragment
+    order (:func:`dq_tile_position`).  One block per query tile; each thread takes column pairs of the tile's
+    rows in turn, so the stores of a warp are consecutive (the loads gather, from the tile's 32 KB at D = 128)."""
+    position = device_function(dq_tile_position(cfg))
+    store_pair = _make_pair_storer(cfg.input_kind)
+    ROWS, D_PAD, THREADS = cfg.block_m, cfg.d_pad, cfg.threads
+    PAIRS = D_PAD // 2
+
+    @kernel(fastmath=True)
+    def flash_backward_dq_convert_tiled_tc(dq_accum, dq, scale):
+        """One block: dq for one query tile of one (batch, head); ``dq_accum`` is ``(B, H, tiles · ROWS, D_PAD)``."""
+        seqlen_q = dq.shape[2]
+        head_dim = dq.shape[3]
+        q_start = cuda.blockIdx.x * ROWS
+        h = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        sc = numba.float32(scale)
+        for j in range(cuda.threadIdx.x, ROWS * PAIRS, THREADS):
+            r = j // PAIRS
+            c = 2 * (j % PAIRS)
+            if q_start + r < seqlen_q and c < head_dim:  # D is a multiple of 8: c + 1 < head_dim too
+                at = position(r, c)  # column c + 1 is the next value of the same lane: 32 further on
+                x = dq_accum[b, h, q_start + at // D_PAD, at % D_PAD]
+                y = dq_accum[b, h, q_start + (at + 32) // D_PAD, (at + 32) % D_PAD]
+                store_pair(dq, b, h, q_start + r, c, x * sc, y * sc)
+
+    return flash_backward_dq_convert_tiled_tc
+
+
 def choose_config(
     head_dim: int,
     input_kind: str,
@@ -1233,6 +1307,7 @@ def choose_config(
     cc: tuple[int, int] | None = None,
     max_shared: int | None = None,
     atomic: bool = False,
+    seqlen_q: int | None = None,
 ) -> TCBackwardConfig:
     """The configuration for a head dim (a multiple of 8 up to 256, padded to 16): 4 warps, 64 stationary rows;
     for the atomic dQ route (``atomic=True``) above D = 64, FlashAttention-2's 8 warps and 128 keys per block;
@@ -1278,6 +1353,10 @@ def choose_config(
     64 × 64 one, which stays.
     Where a GPU allows less shared memory per block, the atomic route falls back to the
     register layout's 64 × 128 tiles, then to the deterministic route's.
+    At D = 64 on sm_90 with ``seqlen_q`` of at least :data:`BULK_DQ_MIN_QUERIES` the atomic route adds dQ by
+    bulk reductions from shared memory (``bulk_dq``, 210 KB): measured 0–4 % faster from N = 2k and 1–3 %
+    slower at 1k (bf16, ``tc-backward-NVIDIA-H200-2026-12-02-bulk-tile*.json`` and ``…-q3.json``); at D = 128
+    within ±2 % of ``red.global.add``, which stays.
 
     Above a padded D of 128: the head dim in as few slices of at most 128
     columns as cover it, and 128 keys × 32 queries per dK/dV block (8 warps;
@@ -1304,13 +1383,19 @@ def choose_config(
         cc = compute_capability()
     if max_shared is None and not simulator:
         max_shared = max_shared_per_block()
-    return _choose_config(head_dim, input_kind, simulator, None if cc is None else tuple(cc), max_shared, atomic)
+    long_queries = seqlen_q is not None and seqlen_q >= BULK_DQ_MIN_QUERIES
+    return _choose_config(head_dim, input_kind, simulator, None if cc is None else tuple(cc), max_shared, atomic,
+                          long_queries)
+
+
+#: ``choose_config``: from this many queries the D = 64 atomic route on sm_90 adds dQ by bulk reductions.
+BULK_DQ_MIN_QUERIES = 2048
 
 
 @functools.cache
 def _choose_config(
     head_dim: int, input_kind: str, simulator: bool, cc: tuple[int, int] | None, max_shared: int | None,
-    atomic: bool = False,
+    atomic: bool = False, long_queries: bool = False,
 ) -> TCBackwardConfig:
     vector_red = cc is not None and cc >= (9, 0)
     if head_dim % 8 or not 0 < head_dim <= 256:
@@ -1336,6 +1421,10 @@ def _choose_config(
     if atomic and d_pad == 64:  # FlashAttention-2's D = 64 tiles: 128 queries × 128 keys, dQ's warps 4 × 4
         cfg = TCBackwardConfig(128, 128, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red,
                                warps_keys=4, warps_dq_rows=4)
+        bulk = dataclasses.replace(cfg, bulk_dq=True)  # long sequences on sm_90: dQ by the bulk copy engine
+        if long_queries and cc is not None and cc >= (9, 0) and (
+                max_shared is None or shared_bytes(bulk, "dkdv_atomic") <= max_shared):
+            return bulk
         if max_shared is None or shared_bytes(cfg, "dkdv_atomic") <= max_shared:
             return cfg
     if atomic and d_pad > 64:
@@ -1413,15 +1502,24 @@ def launch_backward_tc(
     simt = bw.choose_config(head_dim, cfg.input_kind, simulator=SIMULATOR).dq  # steps 0 and 2'
     delta = empty((batch, heads, seqlen_q), np.float32)
     lse2 = empty((batch, heads, seqlen_q), np.float32)
-    shape = (batch, heads, seqlen_q, head_dim) if not deterministic else (1, 1, 1, 1)  # unused when deterministic
+    bulk = cfg.bulk_dq and not deterministic
+    q_tiles = -(-seqlen_q // cfg.block_m)
+    if deterministic:
+        shape = (1, 1, 1, 1)  # unused
+    elif bulk:  # whole query tiles, each in fragment order (dq_tile_position)
+        shape = (batch, heads, q_tiles * cfg.block_m, cfg.d_pad)
+    else:
+        shape = (batch, heads, seqlen_q, head_dim)
     dq_accum = empty(shape, np.float32)  # cleared by step 0
     simt_grid = (-(-seqlen_q // simt.block_m), heads, batch)
     simt_block = (simt.threads_x, simt.threads_y, 1)
+    # Step 0's blocks clear the accumulator's rows; bulk_dq's padding rows too (its bulk reductions add to them).
+    pre_grid = (-(-shape[2] // simt.block_m), heads, batch) if bulk else simt_grid
     qk_scale_log2, sc = float(scale * LOG2E), float(scale)
 
     launch(
         bw.preprocess_kernel(simt),
-        simt_grid,
+        pre_grid,
         simt_block,
         stream,
         0,
@@ -1451,12 +1549,15 @@ def launch_backward_tc(
             shared_bytes(cfg, "dq"),
             *(q, k, v, do, lse2, delta, dq, qk_scale_log2, sc, bool(causal)),
         )
+    elif bulk:
+        launch(dq_tile_convert_kernel(cfg), (q_tiles, heads, batch), (cfg.threads, 1, 1), stream, 0, dq_accum, dq, sc)
     else:
         launch(bw.dq_convert_kernel(simt), simt_grid, simt_block, stream, 0, dq_accum, dq, sc)
 
 
 def kernel_signature(cfg: TCBackwardConfig, name: str):
-    """The Numba argument types of kernel ``name`` (one of :data:`KERNELS`) for ``cfg`` (any strides)."""
+    """The Numba argument types of kernel ``name`` (one of :data:`KERNELS`, or ``"dq_convert_tiled"``) for ``cfg``
+    (any strides)."""
     from numba import types
 
     x4 = types.Array(types.float16 if cfg.input_kind == "float16" else types.uint16, 4, "A")
@@ -1464,10 +1565,14 @@ def kernel_signature(cfg: TCBackwardConfig, name: str):
     f64, flag = types.float64, types.boolean
     if name == "dq":
         return (x4, x4, x4, x4, f3, f3, x4, f64, f64, flag)
+    if name == "dq_convert_tiled":
+        return (f4, x4, f64)
     return (x4, x4, x4, x4, f3, f3, x4, x4, f4, f64, f64, flag)
 
 
 def _kernel(cfg: TCBackwardConfig, name: str):
+    if name == "dq_convert_tiled":
+        return dq_tile_convert_kernel(cfg)
     return dq_tc_kernel(cfg) if name == "dq" else dkdv_tc_kernel(cfg, name == "dkdv_atomic")
 
 
@@ -1475,7 +1580,8 @@ def compile_targets(cc: tuple[int, int] = (9, 0)):
     """``(name, cfg, kernel, signature, fastmath)`` for every GPU configuration and kernel for compute capability
     ``cc`` (the PTX check; default sm_90, the H200).
 
-    Steps 0 and 2' are the SIMT kernels of :mod:`nbflash.backward`, covered by its own compile targets.
+    Steps 0 and 2' are the SIMT kernels of :mod:`nbflash.backward`, covered by its own compile targets —
+    except ``bulk_dq``'s step 2' (``dq_convert_tiled``), which is this module's.
     """
     targets = []
     for d in (32, 40, 64, 96, 128, 256):
@@ -1491,8 +1597,11 @@ def compile_targets(cc: tuple[int, int] = (9, 0)):
     grid = TCBackwardConfig(64, 128, 128, "bfloat16", kv_in_registers=False, vector_red=cc >= (9, 0), warps_keys=4,
                             warps_dq_rows=2)
     targets += [(name, grid) for name in ("dkdv", "dkdv_atomic") if (name, grid) not in targets]
-    if cc >= (9, 0):
-        targets.append(("dkdv_atomic", dataclasses.replace(grid, bulk_dq=True)))
+    if cc >= (9, 0):  # its dK/dV kernel and its step 2', and the D = 64 long-sequence default's (one kind)
+        long64 = choose_config(64, "bfloat16", simulator=False, cc=cc, max_shared=227 * 1024, atomic=True,
+                               seqlen_q=BULK_DQ_MIN_QUERIES)
+        for bulk in (dataclasses.replace(grid, bulk_dq=True), long64):
+            targets += [(name, bulk) for name in ("dkdv_atomic", "dq_convert_tiled")]
     return [
         (f"flash_backward_{name}_tc", cfg, _kernel(cfg, name), kernel_signature(cfg, name), True)
         for name, cfg in targets

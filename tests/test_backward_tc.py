@@ -205,8 +205,9 @@ def test_backward_tc_grid_layout(xp, rng, kind, deterministic, causal, n_q, n_k,
 # bulk_dq: (kind, causal, seqlen_q, seqlen_k, head dim, block_m, block_n, warps_keys, warps_dq_rows).
 BULK = [
     ("bfloat16", True, 70, 45, 32, 32, 64, 2, 2),  # 2 × 2 warps stage 16 queries × 16 columns each; ragged rows
-    ("float16", False, 37, 50, 40, 64, 64, 4, 4),  # 4 × 1: columns 40..47 padding (staged, not added)
-    ("bfloat16", False, 50, 37, 64, 64, 64, 4, 1),  # 1 × 4, and 64 rows for 128 threads: one per thread
+    ("float16", False, 37, 50, 40, 64, 64, 4, 4),  # 4 × 1: columns 40..47 padding (staged, added, not read back)
+    ("bfloat16", False, 50, 37, 64, 64, 64, 4, 1),  # 1 × 4: 64 queries × 16 columns a warp
+    ("float16", True, 45, 70, 64, 32, 64, 2, 1),  # 1 × 4 over 32 queries: 2 × 2 accumulator tiles a warp
 ]
 
 
@@ -214,18 +215,56 @@ BULK = [
                          ids=[f"{c[0]}-{'causal' if c[1] else 'full'}-{c[2]}x{c[3]}-D{c[4]}-{c[5]}x{c[6]}g{c[7]}{c[8]}b"
                               for c in BULK])
 def test_backward_tc_grid_bulk_dq(xp, rng, kind, causal, n_q, n_k, d, block_m, block_n, warps_keys, warps_dq_rows):
-    """Atomic dQ of the grid layout through a shared staging tile and the bulk copy engine (``bulk_dq``;
-    sm_90).  The simulator performs a bulk reduction only at the issuing thread's wait, reading the tile then:
-    a tile rewritten before the wait, the last tile's rows not reduced or not waited for before the kernel
-    ends, a row past seqlen_q or a column of padding added, or rows the warps had not all staged give a
-    wrong dq."""
+    """Atomic dQ of the grid layout through shared memory and the bulk copy engine (``bulk_dq``; sm_90), the
+    accumulator's tiles in fragment order and read back so by step 2'.  The simulator performs a bulk reduction
+    only at the issuing lane's wait, reading the warp's staged values then: a part rewritten before that wait,
+    the last tile not waited for before the kernel ends, lanes that had not all stored, or a value staged or
+    read back at another place than :func:`dq_tile_position` gives a wrong dq."""
     if not SIMULATOR and compute_capability() < (9, 0):
         pytest.skip("cp.reduce.async.bulk needs sm_90")
     cfg = T.TCBackwardConfig(block_m, block_n, d, kind, kv_in_registers=False, warps_keys=warps_keys,
                              warps_dq_rows=warps_dq_rows, bulk_dq=True)
-    assert cfg.dq_stage_pitch == cfg.d_pad + 8
+    assert cfg.dq_warp_tile == (block_m // warps_dq_rows, cfg.d_pad * warps_dq_rows * 16 // block_n)
     got, values, scale = run_backward(xp, rng, n_q, n_k, d, kind, causal, False, heads=2, cfg=cfg)
     check_against_reference(got, values, scale, causal, kind)
+
+
+@pytest.mark.skipif(SIMULATOR, reason="GPU tiles at a long sequence: hours in the simulator")
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_backward_tc_long_sequence_default_is_bulk_dq_on_sm90(xp, rng, layout):
+    """choose_config's atomic default at D = 64 from BULK_DQ_MIN_QUERIES queries (bulk_dq on sm_90, else red),
+    ragged and causal with N_q ≠ N_k, both layouts, against float64."""
+    n_q = T.BULK_DQ_MIN_QUERIES + 37
+    cfg = T.choose_config(64, "bfloat16", atomic=True, seqlen_q=n_q)
+    assert cfg.bulk_dq == (compute_capability() >= (9, 0))
+    got, values, scale = run_backward(xp, rng, n_q, 333, 64, "bfloat16", True, False, layout=layout, heads=3,
+                                      cfg=cfg)
+    check_against_reference(got, values, scale, True, "bfloat16")
+
+
+@pytest.mark.parametrize("warps_keys,warps_dq_rows,d", [(4, 2, 128), (4, 4, 40), (2, 1, 64)])
+def test_bulk_dq_tile_layout_is_the_fragment_order(warps_keys, warps_dq_rows, d):
+    """:func:`dq_tile_position` is a one-to-one map of a query tile's (query, column) onto its block_m · d_pad
+    values, and value i of lane ``lane``'s accumulator tile n of warp w — placed by the PTX C-fragment layout
+    (intrinsics._c_frag_index) and the warp grid of step 1g — lands at ``w · R · C + (4n + i) · 32 + lane``,
+    where the kernel stores it."""
+    block_m, block_n = 64, 128 if d == 128 else 64
+    cfg = T.TCBackwardConfig(block_m, block_n, d, "bfloat16", kv_in_registers=False, warps_keys=warps_keys,
+                             warps_dq_rows=warps_dq_rows, bulk_dq=True)
+    position = T.dq_tile_position(cfg)
+    places = {position(r, c) for r in range(block_m) for c in range(cfg.d_pad)}
+    assert places == set(range(block_m * cfg.d_pad))
+    R, C = cfg.dq_warp_tile
+    for w in range(cfg.warps):
+        q0, c0 = R * (w // (cfg.d_pad // C)), C * (w % (cfg.d_pad // C))  # the warp's first query and column
+        for m in range(R // 16):
+            for n8 in range(C // 8):
+                for lane in range(32):
+                    for i in range(4):
+                        row, col = I._c_frag_index(lane, i)
+                        n = m * (C // 8) + n8  # as _make_tile_product numbers a warp's accumulator tiles
+                        want = w * R * C + (4 * n + i) * 32 + lane
+                        assert position(q0 + 16 * m + row, c0 + 8 * n8 + col) == want
 
 
 @pytest.mark.parametrize("layout", ["registers", "grid", "grid-bulk"])
@@ -338,8 +377,8 @@ def test_config_and_can_implement():
     assert fa2.grid and not T.TCBackwardConfig(**grid).grid
     with pytest.raises(ValueError, match="bulk_dq"):
         T.TCBackwardConfig(**grid, bulk_dq=True)
-    bulk = dataclasses.replace(fa2, bulk_dq=True)  # + the staging tile of dQ_i: 64 queries × (128 + 8) float32
-    assert T.shared_bytes(bulk, "dkdv_atomic") == 177152 + 64 * 136 * 4
+    bulk = dataclasses.replace(fa2, bulk_dq=True)  # + the staging tile of dQ_i: 64 queries × 128 columns, float32
+    assert T.shared_bytes(bulk, "dkdv_atomic") == 177152 + 64 * 128 * 4 and bulk.dq_warp_tile == (32, 32)
     assert T.shared_bytes(bulk, "dkdv") == 177152
     # K, V: 2 · 128 · 136; Q, dO: 2 · 2 · 64 · 136; lse2, D: 2 · 2 · 64 floats; Pᵀ, dSᵀ: 2 · 128 · 72 (16-bit)
     assert [T.shared_bytes(fa2, n) for n in ("dkdv", "dkdv_atomic")] == [177152, 177152]
@@ -394,13 +433,25 @@ def test_config_and_can_implement():
     assert (a64.warps_keys, a64.warps_dq_rows, a128.warps_keys, a128.warps_dq_rows) == (4, 4, 4, 2)  # FA2's grids
     assert not a128.bulk_dq and T.shared_bytes(a128, "dkdv_atomic") == 177152  # red.global.add: the measured faster
     assert T.shared_bytes(a64, "dkdv_atomic") == 182272  # K, V 2·128·72; Q, dO 2·2·128·72; lse2, D; Pᵀ, dSᵀ 2·128·136
+    # Long sequences at D = 64 on sm_90: dQ by bulk reductions (+ the 128 × 64 float32 staging tile); not before sm_90,
+    # nor for short sequences, nor at D = 128, nor where shared memory is short.
+    long64 = T.choose_config(64, "bfloat16", simulator=False, cc=(9, 0), max_shared=227 * 1024, atomic=True,
+                             seqlen_q=T.BULK_DQ_MIN_QUERIES)
+    assert long64 == dataclasses.replace(a64, bulk_dq=True) and T.shared_bytes(long64) == 182272 + 128 * 64 * 4
+    hopper_long = dict(cc=(9, 0), max_shared=227 * 1024, atomic=True, seqlen_q=4096)
+    for kw in (dict(seqlen_q=T.BULK_DQ_MIN_QUERIES - 1), dict(seqlen_q=None), dict(cc=(8, 0)),
+               dict(max_shared=200 * 1024)):
+        cfg = T.choose_config(64, "bfloat16", simulator=False, **{**hopper_long, **kw})
+        assert (cfg.block_m, cfg.block_n, cfg.warps_keys, cfg.bulk_dq) == (128, 128, 4, False), kw  # red.global.add
+    assert not T.choose_config(128, "bfloat16", simulator=False, cc=(9, 0), max_shared=227 * 1024, atomic=True,
+                               seqlen_q=16384).bulk_dq
     small64 = T.choose_config(64, "bfloat16", simulator=False, cc=(8, 0), max_shared=163 * 1024, atomic=True)
     assert small64 == T.choose_config(64, "bfloat16", simulator=False, cc=(8, 0), max_shared=163 * 1024)  # 64 × 64
     # Padded 96: 6 column tiles, dQ's warps 4 × 2; padded 80 (5 tiles) cannot be split: the register layout.
     a96, a72 = (T.choose_config(d, "bfloat16", simulator=False, cc=(9, 0), max_shared=227 * 1024, atomic=True)
                 for d in (96, 72))
     assert (a96.warps_keys, a96.warps_dq_rows) == (4, 4) and not a72.grid and a72.block_n == 128
-    assert not a96.bulk_dq and a96.dq_stage_pitch == 104
+    assert not a96.bulk_dq and a96.dq_warp_tile == (a96.block_m // 4, 48)
     # Less shared memory (A100: 163 KB): the register layout's 64 × 128 tiles (155 KB), then the 64 × 64 ones.
     a100 = T.choose_config(128, "bfloat16", simulator=False, cc=(8, 0), max_shared=163 * 1024, atomic=True)
     assert not a100.grid and a100.block_n == 128 and not a100.bulk_dq
@@ -466,6 +517,9 @@ def test_backward_tc_compiles_for_sm80_sm90_in_registers(part):
         assert row["spill_bytes"] == 0, row
         assert row["regs"] <= 255, row
         d, d_pad, cols = row["head_dim"], row["d_pad"], row["slice_cols"]
+        if row["kernel"] == "flash_backward_dq_convert_tiled_tc":  # bulk_dq's step 2': loads and stores only
+            assert row["bulk_dq"] and (row["mma"], row["atom"], row["red"], row["red_v2"], row["bulk"]) == (0,) * 5, row
+            continue
         if row["kernel"] == "flash_backward_dq_tc":  # unrolled: S, dP and dQ, every 16×8×16 piece
             keys = row["block_m"]
             if cols == d_pad:  # one slice: every k-step; no product for a dQ tile of padding (never stored)

@@ -493,6 +493,8 @@ def test_setmaxnreg_takes_an_allowed_count():
 # ----------------------------------------------------------------------------
 
 ROWS, COLS, PITCH = 8, 12, 16  # a staging tile of 8 rows × 12 float32, rows 16 floats (64 bytes) apart
+STAGE = ROWS * PITCH  # a shared array's size must be a constant when the kernel is typed
+ALIGN = None if SIMULATOR else 16  # the bulk copy engine reads 16-byte aligned shared memory
 
 
 @kernel
@@ -501,7 +503,7 @@ def _bulk_rows(src, dst, rounds, fence):
     adds that row into ``dst[r]`` by one bulk reduction per round — another thread's stores, so fence and barrier
     matter; the tile is restaged every round, so the read wait matters."""
     tid = cuda.threadIdx.x
-    stage = cuda.shared.array(ROWS * PITCH, numba.float32)
+    stage = cuda.shared.array(STAGE, numba.float32, alignment=ALIGN)
     base = I.global_address(dst, (0, 0))
     for rnd in range(rounds):
         H.bulk_wait_group_read(0)  # my previous reduction has read its row ...
