@@ -336,7 +336,7 @@ def attention_backward(
             124–239 TFLOP/s (geomean 194) against 137–212 (185–187)
             deterministic (it loses only at causal N = 1k), and from
             N_q = 2048 on sm_90 with dQ added by bulk reductions from shared
-            memory, 165–249 (``…-bulk-tile*.json``; 2–4 % over ``red``); at D = 128
+            memory, 165–249 (``…-bulk-tile*.json``; 0–4 % over ``red``); at D = 128
             the atomic route, with FlashAttention-2's 8-warp 64 × 128 tiles
             and its warp grid, 189–270 against 183–222 non-causal and
             133–266 against 146–220 causal (it loses only at causal N = 1k);
