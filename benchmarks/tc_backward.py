@@ -66,7 +66,7 @@ KIND = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEVICE = "cuda"
 TOKENS, WIDTH = 16384, 2048  # timed shapes: batch · N and heads · D
-TAG = re.compile(r"(wg)?(\d+)x(\d+)(r?)(?:s(\d)(\d))?(?:g(\d)(\d)(b?))?(?:d(\d+))?(?:@(\d+))?")
+TAG = re.compile(r"(wg)?(\d+)x(\d+)(r?)(?:s(\d)(\d))?(?:g(\d)(\d)(b?)(e?))?(?:d(\d+))?(?:@(\d+))?")
 # (seqlen_q, seqlen_k, causal) of the candidates' check: ragged tiles, both causal shapes, whole blocks.
 SWEEP_CASES = [(97, 97, False), (200, 97, True), (97, 200, True), (1025, 1025, True), (2048, 2048, False)]
 
@@ -156,14 +156,16 @@ def is_wgmma(cfg) -> bool:
 
 
 def tag(cfg) -> str:
-    """``64x128r``: block_m × block_n, ``r`` when the K/V fragments stay in registers; ``wg128x64``: the wgmma
-    backward's block_m × block_n."""
+    """``64x128r``: block_m × block_n, ``r`` when the K/V fragments stay in registers; ``g42``: the grid layout's
+    warp groups (``b``: bulk dQ; ``e``: dQ between the dV and dK products); ``wg128x64``: the wgmma backward's
+    block_m × block_n."""
     if is_wgmma(cfg):
         stages = "" if cfg.stages == 2 else f"s{cfg.dkdv_stages}{cfg.dq_stages}"
         cols = f"d{cfg.d_slice}" if cfg.d_slice else ""
         return f"wg{cfg.block_m}x{cfg.block_n}{stages}{cols}"
     cols = f"d{cfg.d_slice}" if cfg.d_slice else ""
-    grid = f"g{cfg.warps_keys}{cfg.warps_dq_rows}{'b' if cfg.bulk_dq else ''}" if cfg.grid else ""
+    grid = (f"g{cfg.warps_keys}{cfg.warps_dq_rows}{'b' if cfg.bulk_dq else ''}{'e' if cfg.dq_before_dk else ''}"
+            if cfg.grid else "")
     return f"{cfg.block_m}x{cfg.block_n}{'r' if cfg.kv_in_registers else ''}{grid}{cols}"
 
 
@@ -178,14 +180,14 @@ def parse_configs(spec: str, dims, kinds) -> list[T.TCBackwardConfig]:
         m = TAG.fullmatch(t)
         if not m or (m[1] and (m[4] or m[7])) or (m[5] and not m[1]):
             raise ValueError(
-                f"bad config tag {t!r}: expected <block_m>x<block_n>[r][g<key groups><dQ row groups>[b]][d<columns>]"
+                f"bad config tag {t!r}: expected <block_m>x<block_n>[r][g<key groups><dQ row groups>[b][e]][d<columns>]"
                 "[@<head dim>] or wg<block_m>x<block_n>[s<dK/dV stages><dQ stages>][d<columns>][@<head dim>], "
                 "e.g. 64x128r, 64x128g42, 32x64d64@256, wg128x64s23@128 or wg64x64d128@256"
             )
         stages = (int(m[5]), int(m[6])) if m[5] else (2, 2)
-        grid = (int(m[7]), int(m[8]), m[9] == "b") if m[7] else (0, 0, False)
-        parsed.append((bool(m[1]), int(m[2]), int(m[3]), m[4] == "r", stages, grid, int(m[10] or 0),
-                       int(m[11]) if m[11] else None))
+        grid = (int(m[7]), int(m[8]), m[9] == "b", m[10] == "e") if m[7] else (0, 0, False, False)
+        parsed.append((bool(m[1]), int(m[2]), int(m[3]), m[4] == "r", stages, grid, int(m[11] or 0),
+                       int(m[12]) if m[12] else None))
     cfgs = []
     for d in dims:
         for kind in kinds:
@@ -200,7 +202,7 @@ def parse_configs(spec: str, dims, kinds) -> list[T.TCBackwardConfig]:
                 else:
                     cfg = T.TCBackwardConfig(bm, bn, d, kind, kv_in_registers=regs, vector_red=default.vector_red,
                                              d_slice=cols, warps_keys=grid[0], warps_dq_rows=grid[1],
-                                             bulk_dq=grid[2])
+                                             bulk_dq=grid[2], dq_before_dk=grid[3])
                 if cfg not in mine:
                     mine.append(cfg)
             cfgs += mine

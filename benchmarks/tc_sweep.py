@@ -33,6 +33,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -96,8 +97,10 @@ def wg_config(bm, bn, d, kind, pipe) -> W.WGConfig:
     return W.WGConfig(bm, bn, d, kind, name, **({"stages": int(stages)} if stages else {}),
                       **({"copies": copies} if copies else {}), setmaxnreg=regs == "r")
 #: Names accepted by --configs besides tags: choose_config's pick for each head dim and dtype, its split pipeline,
-#: the same with S = Q Kᵀ in straight-line groups of 1 or 2 k-steps (``qk_unroll``), and the wgmma kernel's pick.
-NAMED = ("default", "default-split", "default-u1", "default-u2", "wg-default")
+#: the same with S = Q Kᵀ in straight-line groups of 1 or 2 k-steps (``qk_unroll``), and the wgmma kernel's pick;
+#: ``default-eager``: the pick with O rescaled at every key tile (``lazy_rescale=False``, FlashAttention-2's softmax);
+#: ``wg-default-lazy``: the wgmma pick with the lazy rescale (``lazy_rescale=True``; off by default there).
+NAMED = ("default", "default-split", "default-u1", "default-u2", "wg-default", "default-eager", "wg-default-lazy")
 #: Head dims checked for correctness only (the default configuration).
 CHECK_ONLY = (40, 96, 256)
 
@@ -109,15 +112,18 @@ def tag(cfg) -> str:
     ``wg128x128``: the wgmma kernel's tiles, overlapped pipeline (``-plain``: every product waited for at once;
     ``-pp``: the two warpgroups take turns; ``-ws3``: a producer warpgroup and 3 K/V stages; ``-wso3``: the same,
     each warpgroup also overlapping its softmax with its own P V; ``-tma``: the producer copies with TMA; ``-r``:
-    ``setmaxnreg`` moves registers from the producer to the consumers)."""
+    ``setmaxnreg`` moves registers from the producer to the consumers; ``-eager`` (mma.sync): O rescaled at every
+    key tile; ``-lazy`` (wgmma): O rescaled only when a row's max moves past the slack)."""
     if isinstance(cfg, W.WGConfig):
         suffix = {"plain": "-plain", "overlap": "", "pingpong": "-pp", "ws": f"-ws{cfg.stages}",
                   "ws-overlap": f"-wso{cfg.stages}"}[cfg.pipeline]
         copies = "-tma" if cfg.copies == "tma" else ""
-        return f"wg{cfg.block_m}x{cfg.block_n}{suffix}{copies}{'-r' if cfg.setmaxnreg else ''}"
+        lazy = "-lazy" if cfg.lazy_rescale else ""
+        return f"wg{cfg.block_m}x{cfg.block_n}{suffix}{copies}{'-r' if cfg.setmaxnreg else ''}{lazy}"
     return (
         f"{cfg.block_m}x{cfg.block_n}{'' if cfg.q_in_regs else 's'}{'/2' if cfg.m_tiles == 2 else ''}"
         f"{'-split' if cfg.kv_pipeline == 'split' else ''}{f'-u{cfg.qk_unroll}' if cfg.qk_unroll else ''}"
+        f"{'' if cfg.lazy_rescale else '-eager'}"
     )
 
 
@@ -135,7 +141,10 @@ def select(dims, kinds, wanted=None):
             named = {"default": default, "default-split": dataclasses.replace(default, kv_pipeline="split"),
                      "default-u1": dataclasses.replace(default, qk_unroll=1),
                      "default-u2": dataclasses.replace(default, qk_unroll=2),
-                     "wg-default": W.choose_config(d, kind, simulator=False)}
+                     "wg-default": W.choose_config(d, kind, simulator=False),
+                     "default-eager": dataclasses.replace(default, lazy_rescale=False),
+                     "wg-default-lazy": dataclasses.replace(W.choose_config(d, kind, simulator=False),
+                                                            lazy_rescale=True)}
             for cfg in [named[w] for w in NAMED if w in wanted] + [c for c in listed if tag(c) in wanted]:
                 if cfg not in cfgs:
                     cfgs.append(cfg)
@@ -270,6 +279,9 @@ def main():
         "no check-only dims",
     )
     ap.add_argument("--suffix", default="", help="appended to the JSON's file name")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="compile the candidates first in this many processes (through the disk cache)")
+    ap.add_argument("--compile-part", help=argparse.SUPPRESS)  # i/n: compile every n-th candidate from i, and exit
     args = ap.parse_args()
     dtypes = [{"bf16": torch.bfloat16, "fp16": torch.float16}[s] for s in args.dtypes.split(",")]
     dims = [int(x) for x in args.dims.split(",")]
@@ -293,6 +305,16 @@ def main():
         cfgs = select(dims, kinds)
         cfgs += [T.choose_config(d, k) for d in CHECK_ONLY if d not in dims for k in kinds]
         cfgs += [W.choose_config(d, k) for d in CHECK_ONLY if d not in dims for k in kinds]
+    if args.compile_part:  # a --jobs worker: its share of the candidates, into the disk cache
+        i, n = (int(x) for x in args.compile_part.split("/"))
+        cfgs = cfgs[i::n]
+    elif args.jobs > 1:  # compile in parallel processes first: the on-disk kernel cache hands the kernels over
+        t0 = time.perf_counter()
+        argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:]]
+        procs = [subprocess.Popen([*argv, f"--compile-part={i}/{args.jobs}"], stdout=subprocess.DEVNULL)
+                 for i in range(args.jobs)]
+        codes = [p.wait() for p in procs]
+        log(f"compiled in {args.jobs} processes in {time.perf_counter() - t0:.0f} s (exit codes {codes})")
     compiled = []
     for cfg in cfgs:
         t0 = time.perf_counter()
@@ -311,6 +333,8 @@ def main():
         name = f"{tag(cfg)} D{cfg.head_dim} {cfg.input_kind}"
         log(f"compiled {name} in {time.perf_counter() - t0:.1f} s: {info} dynamic smem {mod.shared_bytes(cfg)}")
         compiled.append((cfg, info))
+    if args.compile_part:
+        return
     if not args.no_check:
         fails = check(log, [c for c, _ in compiled], dtypes)
         log(f"correctness failures: {fails}")

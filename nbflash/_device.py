@@ -76,6 +76,7 @@ __all__ = [
     "kernel",
     "shfl_xor",
     "syncwarp",
+    "any_lane",
     "is_available",
     "set_max_dynamic_shared",
     "compile_ptx_offline",
@@ -201,6 +202,16 @@ def _sim_warp_uniform(value):
     return out
 
 
+def _sim_any_lane(predicate):
+    """``vote.sync.any``: true in every lane iff ``predicate`` is true in at least one lane of the warp."""
+    lane, warp = _sim_warp()
+    warp.slots[lane] = bool(predicate)
+    warp.barrier.wait()  # all lanes have published their predicate
+    out = any(x is True for x in warp.slots)  # every active lane has just written its own slot
+    warp.barrier.wait()  # all lanes have read before anyone overwrites a slot
+    return out
+
+
 def _sim_syncwarp(mask=FULL_MASK):
     """``bar.warp.sync``: the lanes of the calling warp wait for each other."""
     _, warp = _sim_warp()
@@ -211,6 +222,7 @@ if SIMULATOR:
     shfl_xor = _sim_shfl_xor
     syncwarp = _sim_syncwarp
     warp_uniform = _sim_warp_uniform
+    any_lane = _sim_any_lane
 else:
 
     @device_function
@@ -227,6 +239,11 @@ else:
     @device_function
     def syncwarp():
         cuda.syncwarp(FULL_MASK)
+
+    @device_function
+    def any_lane(predicate):
+        """``vote.sync.any`` over the whole warp: the same answer in every lane, so a branch on it is uniform."""
+        return cuda.any_sync(FULL_MASK, predicate)
 
 
 # --------------------------------------------------------------------------

@@ -507,7 +507,7 @@ def run_backward(
     if plan.backend == "tensor_core":  # the plan checked do, q, k, v, o; dq, dk, dv are the caller's fresh arrays
         cfg = plan.config
         if not flags["deterministic"]:  # the atomic route's own tiles (the same array rules; shared memory checked)
-            cfg = _bwd_tc.choose_config(cfg.head_dim, cfg.input_kind, atomic=True, seqlen_q=q.shape[2])
+            cfg = _bwd_tc.choose_config(cfg.head_dim, cfg.input_kind, atomic=True)
         _bwd_tc.launch_backward_tc(cfg, do, q, k, v, o, lse, dq, dk, dv, scale, bool(causal), check=False, **flags)
     elif plan.backend == "wgmma":  # atomic only where the configuration has it (64-query streamed tiles)
         cfg = plan.config

@@ -124,7 +124,7 @@ D, or every slice whole), every row padded by 8 elements (16 bytes) so that
     D=128 (64 keys × 32 queries, where a block gets less than that): 70 144 (75 264), 69 632
     D=128 (128 keys × 64 queries, the atomic route's 8 warps):       atomic 158 720
     D=128 (128 keys × 64 queries, grid layout):                      dK/dV 177 152 (both routes; bulk_dq 209 920)
-    D=64 (128 keys × 128 queries, grid layout, the atomic default):  182 272 (bulk_dq, N_q ≥ 2048: 215 040)
+    D=64 (128 keys × 128 queries, grid layout, the atomic default):  182 272 (bulk_dq, sm_90: 215 040)
     D=256 (128 keys × 32 queries, two slices of 128): dK/dV 203 264 (atomic 213 504), dQ 202 752
     D=256 (64 keys × 32 queries, where a block gets less):              135 680 (140 800), 135 168
 
@@ -146,8 +146,10 @@ TFLOP/s, 0.72–0.89×; atomic at D = 128 with 64 × 128 tiles 127–252, 0.74�
 layout's dK/dV kernel on those tiles (``tc-backward-NVIDIA-H200-2026-12-02-grid.json``): atomic at
 D = 128 133–270 TFLOP/s, 0.78–0.88× FlashAttention-2 in the same run (+5–9 % over the register layout).
 With ``bulk_dq`` (dQ by one bulk reduction per warp and tile, the accumulator in fragment order;
-``tc-backward-NVIDIA-H200-2026-12-02-bulk-tile*.json``): 2–4 % faster at D = 64 from N = 2k, the default
-there on sm_90; within ±2 % at D = 128, where ``red`` stays.
+``tc-backward-NVIDIA-H200-2026-12-02-bulk-tile*.json``): 2–4 % faster at D = 64 from N = 2k; within ±2 % at
+D = 128.  With those bulk reductions issued between the dV and dK products (``dq_before_dk``,
+``tc-backward-NVIDIA-H200-2026-12-03-dqorder*.json``): +8–14 % at both head dims, 0.80–1.00× FlashAttention-2
+at D = 128 and 0.82–0.97× at D = 64 — the atomic default on sm_90.
 :func:`nbflash.attention_backward` runs it for float16/bfloat16 (``backend=``).
 """
 
@@ -178,7 +180,6 @@ from ._validate import array_module, tile_rows_problem
 from .masking import d_key_range, d_query_range, d_row_key_end, d_tile_needs_mask
 
 __all__ = [
-    "BULK_DQ_MIN_QUERIES",
     "TCBackwardConfig",
     "can_implement",
     "choose_config",
@@ -232,6 +233,9 @@ class TCBackwardConfig(HeadDimSlices):
     # instead of ``red.global.add`` from registers.  The accumulator then holds each query tile in the warps'
     # fragment order (:func:`dq_tile_position`), and step 2' reads it back in that order.
     bulk_dq: bool = False
+    # Atomic dQ in the grid layout: step 1g between dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i (FlashAttention-2's order),
+    # so that the dK product's mma issue while dQ's reductions drain, instead of after both products.
+    dq_before_dk: bool = False
 
     def __post_init__(self):
         if self.block_n not in (16, 32, 64, 128):
@@ -252,6 +256,8 @@ class TCBackwardConfig(HeadDimSlices):
             self._check_grid()
         if self.bulk_dq and not self.grid:
             raise ValueError("bulk_dq stages dQ_i in the grid layout's dK/dV kernel: it needs warps_keys > 0")
+        if self.dq_before_dk and not self.grid:
+            raise ValueError("dq_before_dk orders the grid layout's products: it needs warps_keys > 0")
 
     def _check_grid(self):
         """The grid layout's constraints: whole 16-row (16-column) fragment tiles for every warp."""
@@ -950,6 +956,8 @@ def _dkdv_grid_kernel(cfg: TCBackwardConfig, atomic_dq: bool):
        added into the float32 accumulator by ``red.global.add`` — or, with ``cfg.bulk_dq`` (sm_90), stored by
        each warp to its own part of a shared staging tile and added by the bulk copy engine, one
        ``cp.reduce.async.bulk`` per warp and tile, with no block barrier (:func:`_make_dq_bulk_adder`).
+       With ``cfg.dq_before_dk`` step g comes between e and f (FlashAttention-2's order), so the dK product's
+       mma issue while the reductions are in flight; with ``bulk_dq`` that measured +8–14 % on the H200.
 
     The next tile's first barrier ends every warp's reads of Pᵀ, dSᵀ and of tile i's buffers before either
     is written again.
@@ -958,6 +966,7 @@ def _dkdv_grid_kernel(cfg: TCBackwardConfig, atomic_dq: bool):
     WARPS, PITCH, DS_PITCH = cfg.warps, cfg.pitch, cfg.ds_pitch
     ATOMIC_DQ = atomic_dq
     BULK_DQ = atomic_dq and cfg.bulk_dq
+    DQ_BEFORE_DK = atomic_dq and cfg.dq_before_dk
     off = shared_offsets(cfg, "dkdv_atomic" if atomic_dq else "dkdv")
     K_OFF, V_OFF, Q_OFF, DO_OFF, P_OFF, DS_OFF = off["k"], off["v"], off["q"], off["do"], off["p"], off["ds"]
     QD_STRIDE = BLOCK_M * PITCH  # elements from one Q (or dO) buffer to the other
@@ -1078,9 +1087,11 @@ def _dkdv_grid_kernel(cfg: TCBackwardConfig, atomic_dq: bool):
                         smem32[u64(DS_OFF // 2) + word + u64(4 * n)] = pack_pair(dP, m * 2 * QP + n, 2 * r)
             cuda.syncthreads()  # steps e–g read rows and columns of Pᵀ and dSᵀ that other warps wrote
 
-            # Steps e–f: dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i on the warp's keys × columns.
+            # Steps e–f: dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i on the warp's keys × columns (dq_before_dk: step g
+            # between the two).
             kv_product(dV, af, smem, p_at, do_base + qk_at)
-            kv_product(dK, af, smem, ds_at, q_base + qk_at)
+            if not DQ_BEFORE_DK:
+                kv_product(dK, af, smem, ds_at, q_base + qk_at)
 
             if ATOMIC_DQ:
                 # Step g: dQ_i += dS K_j on the warp's queries × columns, added into dQ's float32 accumulator.
@@ -1092,6 +1103,8 @@ def _dkdv_grid_kernel(cfg: TCBackwardConfig, atomic_dq: bool):
                     add_dq_bulk(dQ, smem_f, dq_tiles + q_start * dq_row_bytes, warp, lane)
                 else:
                     add_dq(dQ, dq_cols, dq_row_bytes, q_start + dq_q0 + g, dq_c0, seqlen_q)
+            if DQ_BEFORE_DK:
+                kv_product(dK, af, smem, ds_at, q_base + qk_at)
 
         I.cp_async_wait_all()  # nothing left in flight (also when no query tile sees these keys)
         if BULK_DQ and lane == 0:
@@ -1307,7 +1320,6 @@ def choose_config(
     cc: tuple[int, int] | None = None,
     max_shared: int | None = None,
     atomic: bool = False,
-    seqlen_q: int | None = None,
 ) -> TCBackwardConfig:
     """The configuration for a head dim (a multiple of 8 up to 256, padded to 16): 4 warps, 64 stationary rows;
     for the atomic dQ route (``atomic=True``) above D = 64, FlashAttention-2's 8 warps and 128 keys per block;
@@ -1353,10 +1365,14 @@ def choose_config(
     64 × 64 one, which stays.
     Where a GPU allows less shared memory per block, the atomic route falls back to the
     register layout's 64 × 128 tiles, then to the deterministic route's.
-    At D = 64 on sm_90 with ``seqlen_q`` of at least :data:`BULK_DQ_MIN_QUERIES` the atomic route adds dQ by
-    bulk reductions from shared memory (``bulk_dq``, 210 KB): measured 0–4 % faster from N = 2k and 1–3 %
-    slower at 1k (bf16, ``tc-backward-NVIDIA-H200-2026-12-02-bulk-tile*.json`` and ``…-q3.json``); at D = 128
-    within ±2 % of ``red.global.add``, which stays.
+    On sm_90, at padded D = 64 and 128, the grid layout's atomic route adds dQ by bulk reductions from shared
+    memory (``bulk_dq``; 210 KB at D = 64 and 128) issued between the dV and the dK products
+    (``dq_before_dk``), where shared memory allows.  Measured in one run each (bf16, N = 1k … 16k, causal and
+    not, ``tc-backward-NVIDIA-H200-2026-12-03-dqorder*.json``), geomean TFLOP/s: D = 128 239.5 against 218.1
+    for ``red.global.add`` (ratio to SDPA flash 0.80–1.00 against 0.78–0.87) and 217.2 for bulk reductions
+    after both products; D = 64 216.3 against 202.1 for bulk reductions after both products and 200.1 for red
+    between them.  Moving ``red`` between the products alone measured 2–3 % slower at D = 128, so before sm_90
+    (no bulk reductions) the order stays.
 
     Above a padded D of 128: the head dim in as few slices of at most 128
     columns as cover it, and 128 keys × 32 queries per dK/dV block (8 warps;
@@ -1383,19 +1399,13 @@ def choose_config(
         cc = compute_capability()
     if max_shared is None and not simulator:
         max_shared = max_shared_per_block()
-    long_queries = seqlen_q is not None and seqlen_q >= BULK_DQ_MIN_QUERIES
-    return _choose_config(head_dim, input_kind, simulator, None if cc is None else tuple(cc), max_shared, atomic,
-                          long_queries)
-
-
-#: ``choose_config``: from this many queries the D = 64 atomic route on sm_90 adds dQ by bulk reductions.
-BULK_DQ_MIN_QUERIES = 2048
+    return _choose_config(head_dim, input_kind, simulator, None if cc is None else tuple(cc), max_shared, atomic)
 
 
 @functools.cache
 def _choose_config(
     head_dim: int, input_kind: str, simulator: bool, cc: tuple[int, int] | None, max_shared: int | None,
-    atomic: bool = False, long_queries: bool = False,
+    atomic: bool = False,
 ) -> TCBackwardConfig:
     vector_red = cc is not None and cc >= (9, 0)
     if head_dim % 8 or not 0 < head_dim <= 256:
@@ -1418,21 +1428,21 @@ def _choose_config(
             if max_shared is None or max(shared_bytes(cfg, name) for name in KERNELS) <= max_shared:
                 break
         return cfg
+    # On sm_90 the grid layout's atomic route adds dQ by bulk reductions, issued between the dV and dK products
+    # (bulk_dq + dq_before_dk), where measured (padded D 64 and 128) and where shared memory allows.
+    bulk = dict(bulk_dq=True, dq_before_dk=True) if cc is not None and cc >= (9, 0) and d_pad in (64, 128) else {}
     if atomic and d_pad == 64:  # FlashAttention-2's D = 64 tiles: 128 queries × 128 keys, dQ's warps 4 × 4
-        cfg = TCBackwardConfig(128, 128, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red,
+        red = TCBackwardConfig(128, 128, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red,
                                warps_keys=4, warps_dq_rows=4)
-        bulk = dataclasses.replace(cfg, bulk_dq=True)  # long sequences on sm_90: dQ by the bulk copy engine
-        if long_queries and cc is not None and cc >= (9, 0) and (
-                max_shared is None or shared_bytes(bulk, "dkdv_atomic") <= max_shared):
-            return bulk
-        if max_shared is None or shared_bytes(cfg, "dkdv_atomic") <= max_shared:
-            return cfg
+        for cfg in ([dataclasses.replace(red, **bulk)] if bulk else []) + [red]:
+            if max_shared is None or shared_bytes(cfg, "dkdv_atomic") <= max_shared:
+                return cfg
     if atomic and d_pad > 64:
         chunks = d_pad // 16
         candidates = [TCBackwardConfig(64, 128, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red)]
         if chunks % 2 == 0:  # FlashAttention-2's warp grid where its warps split the head dim evenly
-            grid = dict(warps_keys=4, warps_dq_rows=2 if chunks % 4 == 0 else 4)
-            candidates.insert(0, dataclasses.replace(candidates[0], **grid))
+            grid = dataclasses.replace(candidates[0], warps_keys=4, warps_dq_rows=2 if chunks % 4 == 0 else 4)
+            candidates[:0] = ([dataclasses.replace(grid, **bulk)] if bulk else []) + [grid]
         for cfg in candidates:
             if max_shared is None or shared_bytes(cfg, "dkdv_atomic") <= max_shared:
                 return cfg
@@ -1592,16 +1602,17 @@ def compile_targets(cc: tuple[int, int] = (9, 0)):
             targets += [(name, cfg) for name in KERNELS if name != "dkdv_atomic" or atomic == cfg]
             if atomic != cfg:
                 targets.append(("dkdv_atomic", atomic))
-    # The grid layout's non-atomic dK/dV kernel at D = 128 (8 warps; one kind: the types change only the mma), and on
-    # sm_90 its opt-in bulk-reduction dQ.
+    # The grid layout's dK/dV kernels at D = 128 with red (8 warps; one kind: the types change only the mma): both
+    # routes, and the atomic one with dQ between the products.
     grid = TCBackwardConfig(64, 128, 128, "bfloat16", kv_in_registers=False, vector_red=cc >= (9, 0), warps_keys=4,
                             warps_dq_rows=2)
     targets += [(name, grid) for name in ("dkdv", "dkdv_atomic") if (name, grid) not in targets]
-    if cc >= (9, 0):  # its dK/dV kernel and its step 2', and the D = 64 long-sequence default's (one kind)
-        long64 = choose_config(64, "bfloat16", simulator=False, cc=cc, max_shared=227 * 1024, atomic=True,
-                               seqlen_q=BULK_DQ_MIN_QUERIES)
-        for bulk in (dataclasses.replace(grid, bulk_dq=True), long64):
-            targets += [(name, bulk) for name in ("dkdv_atomic", "dq_convert_tiled")]
+    targets.append(("dkdv_atomic", dataclasses.replace(grid, dq_before_dk=True)))  # red between the products
+    if cc >= (9, 0):  # the atomic defaults' step 2' (bulk_dq; one kind), and bulk_dq after both products at D = 128
+        a64, a128 = (choose_config(d, "bfloat16", simulator=False, cc=cc, max_shared=227 * 1024, atomic=True)
+                     for d in (64, 128))
+        after = dataclasses.replace(a128, dq_before_dk=False)  # (its step 2' is a128's: the order does not enter it)
+        targets += [("dq_convert_tiled", a64), ("dq_convert_tiled", a128), ("dkdv_atomic", after)]
     return [
         (f"flash_backward_{name}_tc", cfg, _kernel(cfg, name), kernel_signature(cfg, name), True)
         for name, cfg in targets

@@ -507,7 +507,7 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
     SW128, SBO = HW.SWIZZLE_128B, 1024
     ZERO = numba.float32(0)
     u32, u64 = numba.uint32, numba.uint64
-    _, mask_scores, _, p_frags, _, _, _ = fragment_steps(N_TILES, D_TILES, D, cfg.input_kind)
+    _, mask_scores, _, p_frags, _, _, _, _, _ = fragment_steps(N_TILES, D_TILES, D, cfg.input_kind)
     store_pair = _make_pair_storer(cfg.input_kind)
     load_own = swizzled_tile_loader(BLOCK_M, THREADS, D, D_SMEM)
     load_stream = swizzled_tile_loader(BLOCK_N, THREADS, D, D_SMEM)

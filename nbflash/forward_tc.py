@@ -45,6 +45,12 @@ Both have two barriers per key tile.
       its quad — the row max is two ``shfl.bfly`` steps; masking through
       :mod:`nbflash.masking`; ``P = 2^(S · scale · log2 e − m)``, one FFMA and
       one ``ex2.approx`` per score (the max is taken on the raw scores).
+      Lazy rescale (``TCConfig.lazy_rescale``, after FlashAttention-4): a
+      row keeps its reference max until a tile's max passes it by more than
+      2^8, and the warp skips O's rescale (one ``vote.any``) when no row
+      moved — exact, since O and l share the reference.  Both m-tiles'
+      rescales come before any exponential, so that the branch ends early
+      and the exponentials can be scheduled among step e's ``mma``.
       split, after the mask and before the softmax (where FlashAttention-2
       has it): wait for V_j (``wait_group 0``), barrier, start the copy of
       K_{j+1} into the K buffer;
@@ -77,7 +83,10 @@ packed 32-bit store from a row address computed once.
 
 On the H200 (``benchmarks/results/tc-forward-*``, ``docs/performance.md``; the
 split pipeline, d601198): 0.92–1.02× FlashAttention-2 at D = 64 and 0.86–0.94×
-at D = 128 for N = 1k … 16k, bf16 and fp16, causal and not.
+at D = 128 for N = 1k … 16k, bf16 and fp16, causal and not.  With the lazy
+rescale and k-step 0 peeled (``tc-forward-NVIDIA-H200-2026-12-03-lazy2.json``):
+0.96–1.03× at D = 64 and 0.91–1.12× at D = 128, within run-to-run noise
+(±3 %) of the same run's FlashAttention-2-style softmax (0.95–1.03, 0.87–1.12).
 """
 
 from __future__ import annotations
@@ -87,7 +96,7 @@ import math
 from dataclasses import dataclass
 
 from . import intrinsics as I
-from ._device import SIMULATOR, cuda, device_function, kernel, launch, max_shared_per_block, numba, shfl_xor
+from ._device import SIMULATOR, any_lane, cuda, device_function, kernel, launch, max_shared_per_block, numba, shfl_xor
 from ._tiles import LN2, LOG2E, make_padded_offset, make_tc_tile_copier
 from ._validate import tile_rows_problem
 from .masking import d_key_range, d_row_key_end, d_tile_needs_mask
@@ -126,6 +135,7 @@ class TCConfig:
     m_tiles: int = 1  # 16-row m-tiles per warp: 1 or 2
     kv_pipeline: str = "double"  # "double": 2 K and 2 V buffers; "split": 1 each, K and V separate groups
     qk_unroll: int = 0  # > 0: S = Q Kᵀ as straight-line groups of this many k-steps (0: one loop NVVM may keep)
+    lazy_rescale: bool = True  # O rescaled only when a row's max moves by > 2^8 (False: every tile, as FA2)
 
     def __post_init__(self):
         if self.m_tiles not in (1, 2):
@@ -186,23 +196,42 @@ def shared_bytes(cfg: TCConfig) -> int:
     return shared_offsets(cfg)[-1] * 2
 
 
+#: Lazy rescaling (after FlashAttention-4): a row keeps its running max m_i as the reference of its exponentials
+#: until a tile's max passes it by more than this many powers of two, so P = 2^(s - m_i) ≤ 2^8 = 256, harmless
+#: in fp32 accumulators and in fp16/bf16 P.  The result is exact: O = acc / l and lse = m_i + log l hold for any
+#: reference m_i as long as acc and l share it.  Only when some row of the warp moves its reference does the
+#: warp rescale its O accumulators; with scores of unit scale that is almost only at the first key tile.
+RESCALE_SLACK_LOG2 = 8.0
+
+
 @functools.cache
-def fragment_steps(n_tiles: int, d_tiles: int, head_dim: int, input_kind: str):
+def fragment_steps(n_tiles: int, d_tiles: int, head_dim: int, input_kind: str, lazy_rescale: bool = True):
     """The per-row steps of a 16-row m-tile held in the ``mma.m16n8`` accumulator layout, as device functions.
 
-    ``(init_rows, mask_scores, online_softmax, p_frags, write_rows, softmax_rows, rescale_rows)`` for S
+    ``(init_rows, mask_scores, online_softmax, p_frags, write_rows, softmax_rows, rescale_rows, move_references,
+    exponentiate)`` for S
     tiles of ``n_tiles`` 8-key column tiles and O tiles of ``d_tiles`` 8-wide
     column tiles: register arrays ``S[n_tiles, 4]``, ``acc[d_tiles, 4]`` where
     value i of tile n is row g + 8(i >> 1), column 8n + 2t + (i & 1) (lane
     4g + t).  The wgmma accumulators of :mod:`nbflash.forward_wgmma` have this
     layout in every warp too, so both tensor-core forwards run the same
-    softmax, masking and epilogue.  ``online_softmax`` is ``softmax_rows``
-    followed by ``rescale_rows``; a kernel whose O accumulators are still being
-    written by an asynchronous product calls the two apart.
+    softmax, masking and epilogue.  ``online_softmax`` is ``move_references``
+    (new row maxima, rescale factors), ``rescale_rows`` and ``exponentiate``
+    (P and the row sums); ``softmax_rows`` is the first and the last, for a
+    kernel whose O accumulators are still being written by an asynchronous
+    product and that calls ``rescale_rows`` later.
+
+    ``lazy_rescale`` (the default): a row's reference max moves only when a
+    tile's max passes it by more than :data:`RESCALE_SLACK_LOG2`, and
+    ``rescale_rows`` skips the multiplications when no row of the warp moved
+    (one ``vote.any``); otherwise every tile rescales (FlashAttention-2).
     """
     N_TILES, D_TILES, D = n_tiles, d_tiles, head_dim
     NEG_INF = numba.float32(-math.inf)  # a float32 constant: a Python float would make the softmax float64
     ZERO = numba.float32(0)
+    ONE = numba.float32(1)
+    LAZY = lazy_rescale
+    SLACK = numba.float32(RESCALE_SLACK_LOG2)
     FULL = 0xFFFFFFFF
     pack = I.pack_f16x2 if input_kind == "float16" else I.pack_bf16x2  # two outputs, the first in the low half
 
@@ -227,9 +256,9 @@ def fragment_steps(n_tiles: int, d_tiles: int, head_dim: int, input_kind: str):
                     if 8 * n + c >= first_hidden:
                         S[n, 2 * r + c] = NEG_INF
 
-    def softmax_rows(S, m_i, l_i, scale_log2, alpha):
-        """Fold tile S into the running (m_i, l_i) of rows g, g + 8; S becomes P; alpha[r] = the factor by which
-        row r's O accumulators must be rescaled (applied by :func:`rescale_rows`)."""
+    def move_references(S, m_i, scale_log2, alpha):
+        """The first half of the softmax of tile S: each row's reference max m_i moves (the tile's max passes it;
+        lazily: by more than the slack), and alpha[r] = 2^(old − new) is the factor for row r's O and l."""
         for r in range(2):
             m_tile = NEG_INF  # the max of the raw scores: scale > 0 keeps their order
             for n in range(N_TILES):
@@ -237,10 +266,21 @@ def fragment_steps(n_tiles: int, d_tiles: int, head_dim: int, input_kind: str):
                     m_tile = max(m_tile, S[n, 2 * r + c])
             m_tile = max(m_tile, shfl_xor(FULL, m_tile, 1))  # the row's quad: lanes 4g .. 4g + 3
             m_tile = max(m_tile, shfl_xor(FULL, m_tile, 2))
-            m_new = max(m_i[r], m_tile * scale_log2)
-            m_ref = m_new if m_new != NEG_INF else ZERO  # a row with no key yet keeps P = 0
-            alpha[r] = I.ex2_approx(m_i[r] - m_ref)
+            m_old = m_i[r]
+            m_tile = m_tile * scale_log2
+            if LAZY:
+                # Keep the old reference unless the tile passes it by more than the slack (-inf + slack = -inf:
+                # a row's first visible key always moves it); the four lanes of the quad decide alike.
+                m_new = m_tile if m_tile > m_old + SLACK else m_old
+            else:
+                m_new = max(m_old, m_tile)
+            alpha[r] = I.ex2_approx(m_old - m_new) if m_new != m_old else ONE  # exactly 1 when not moved
             m_i[r] = m_new
+
+    def exponentiate(S, m_i, l_i, scale_log2, alpha):
+        """The second half: S becomes P = 2^(S · scale − m_i), and l_i = alpha · l_i + the row sums of P."""
+        for r in range(2):
+            m_ref = m_i[r] if m_i[r] != NEG_INF else ZERO  # a row with no key yet keeps P = 0
             p_sum = ZERO
             for n in range(N_TILES):
                 for c in range(2):
@@ -249,18 +289,29 @@ def fragment_steps(n_tiles: int, d_tiles: int, head_dim: int, input_kind: str):
                     p_sum += p
             l_i[r] = alpha[r] * l_i[r] + p_sum  # reduced over the quad only at the end
 
+    def softmax_rows(S, m_i, l_i, scale_log2, alpha):
+        """Fold tile S into the running (m_i, l_i) of rows g, g + 8; S becomes P; alpha[r] = the factor by which
+        row r's O accumulators must be rescaled (applied by :func:`rescale_rows`)."""
+        move_references(S, m_i, scale_log2, alpha)
+        exponentiate(S, m_i, l_i, scale_log2, alpha)
+
     def rescale_rows(acc, alpha):
-        """acc of rows g, g + 8 *= alpha[0], alpha[1]."""
-        for r in range(2):
-            for dt in range(D_TILES):
-                acc[dt, 2 * r] *= alpha[r]
-                acc[dt, 2 * r + 1] *= alpha[r]
+        """acc of rows g, g + 8 *= alpha[0], alpha[1]; lazily: only if some row of the warp has alpha ≠ 1 (the
+        vote keeps the branch uniform, so the warp's later ``mma`` stay converged)."""
+        if not LAZY or any_lane(alpha[0] != ONE or alpha[1] != ONE):
+            for r in range(2):
+                for dt in range(D_TILES):
+                    acc[dt, 2 * r] *= alpha[r]
+                    acc[dt, 2 * r + 1] *= alpha[r]
 
     def online_softmax(S, acc, m_i, l_i, scale_log2):
-        """Fold tile S into the running (m_i, l_i) of rows g, g + 8; S becomes P; acc is rescaled."""
+        """Fold tile S into the running (m_i, l_i) of rows g, g + 8; S becomes P; acc is rescaled — before the
+        exponentials, so that the lazy rescale's branch ends ahead of them and the compiler may still interleave
+        them with the ``mma`` of O += P V that follow."""
         alpha = cuda.local.array(2, numba.float32)
-        softmax_rows(S, m_i, l_i, scale_log2, alpha)
+        move_references(S, m_i, scale_log2, alpha)
         rescale_rows(acc, alpha)
+        exponentiate(S, m_i, l_i, scale_log2, alpha)
 
     def p_frags(P, S, kk, slot):
         """P[slot] = P's A fragment for keys 16kk .. 16kk + 15: S tiles 2kk, 2kk + 1 packed to 16 bits (no
@@ -288,12 +339,14 @@ def fragment_steps(n_tiles: int, d_tiles: int, head_dim: int, input_kind: str):
                 if t == 0:
                     lse[b, h, row] = m_i[r] * LN2 + math.log(l_row) if l_row > 0 else NEG_INF
 
-    # (online_softmax finds softmax_rows and rescale_rows through its closure: their compiled versions below.)
+    # (online_softmax and softmax_rows find their parts through their closures: the compiled versions below.)
+    move_references, exponentiate = device_function(move_references), device_function(exponentiate)
     init_rows, mask_scores, online_softmax, p_frags, write_rows, softmax_rows, rescale_rows = (
         device_function(f)
         for f in (init_rows, mask_scores, online_softmax, p_frags, write_rows, softmax_rows, rescale_rows)
     )
-    return init_rows, mask_scores, online_softmax, p_frags, write_rows, softmax_rows, rescale_rows
+    return (init_rows, mask_scores, online_softmax, p_frags, write_rows, softmax_rows, rescale_rows, move_references,
+            exponentiate)
 
 
 @functools.cache
@@ -382,10 +435,13 @@ def forward_tc_kernel(cfg: TCConfig):
 
     def qk_steps_from(first):
         """S += Q_i K_jᵀ over the k-steps [first, K_STEPS): one call of :func:`qk_product` per group of
-        QK_GROUP k-steps, each with constant bounds, chained as straight-line code."""
+        QK_GROUP k-steps, each with constant bounds, chained as straight-line code.  k-step 0 is a group of its
+        own: straight-line code whose ``mma`` add to the S just zeroed, which NVVM folds to constant zeros, so
+        ptxas gives them RZ as the accumulator input and S costs no zeroing instructions (32 per key tile at
+        128 × 64)."""
         if first >= K_STEPS:
             return None
-        end = min(first + QK_GROUP, K_STEPS)
+        end = 1 if first == 0 else min(first + QK_GROUP, K_STEPS)
         rest = qk_steps_from(end)
 
         def qk_steps(S0, S1, qf0, qf1, smem, k_base, q_lane):
@@ -396,8 +452,9 @@ def forward_tc_kernel(cfg: TCConfig):
         return device_function(qk_steps)
 
     qk_all = qk_steps_from(0)
-    init_rows, mask_scores, online_softmax, p_frags, write_rows, _, _ = fragment_steps(N_TILES, D_TILES, D,
-                                                                                        cfg.input_kind)
+    init_rows, mask_scores, _, p_frags, write_rows, _, rescale_rows, move_references, exponentiate = fragment_steps(
+        N_TILES, D_TILES, D, cfg.input_kind, cfg.lazy_rescale
+    )
 
     @kernel(fastmath=True)
     def flash_forward_tc(q, k, v, o, lse, qk_scale_log2, causal):
@@ -432,6 +489,8 @@ def forward_tc_kernel(cfg: TCConfig):
         P1 = cuda.local.array((1, 4), numba.uint32)
         m1 = cuda.local.array(2, numba.float32)
         l1 = cuda.local.array(2, numba.float32)
+        alpha0 = cuda.local.array(2, numba.float32)  # rows g, g + 8: the factor of a key tile's rescale
+        alpha1 = cuda.local.array(2, numba.float32)
         init_rows(m0, l0, acc0)
         if TWO:
             init_rows(m1, l1, acc1)
@@ -502,9 +561,17 @@ def forward_tc_kernel(cfg: TCConfig):
                 if j + 1 < n_tiles:
                     load_kv(smem, K_OFF, k, b, h, k_start + BLOCK_N, seqlen_k, tid)
                     I.cp_async_commit()
-            online_softmax(S0, acc0, m0, l0, scale_log2)
+            # (online_softmax of each m-tile, its steps interleaved: both rescales — each a branch when lazy — come
+            # before all exponentials, which the compiler may then schedule among O += P V's mma.)
+            move_references(S0, m0, scale_log2, alpha0)
             if TWO:
-                online_softmax(S1, acc1, m1, l1, scale_log2)
+                move_references(S1, m1, scale_log2, alpha1)
+            rescale_rows(acc0, alpha0)
+            if TWO:
+                rescale_rows(acc1, alpha1)
+            exponentiate(S0, m0, l0, scale_log2, alpha0)
+            if TWO:
+                exponentiate(S1, m1, l1, scale_log2, alpha1)
 
             # Step 2e: O += P V_j; the accumulator layout of S *is* P's A-fragment layout (FlashAttention-2).
             v_base = V_OFF + buf * KV_STRIDE + v_lane

@@ -200,6 +200,9 @@ class WGConfig:
     stages: int = 2  # K/V buffers of the warp-specialised pipelines ("ws": 2 to 4, "ws-overlap": 3 or 4)
     copies: str = "cp.async"  # how the ws producer copies: "cp.async" (16 bytes per thread) or "tma" (one box each)
     setmaxnreg: bool = False  # ws: the producer gives registers to the consumers (REGISTERS: 24 and 240 per thread)
+    # True: O rescaled only when a row's max moves by > 2^8 (forward_tc.fragment_steps); off by default: every tile
+    # rescaled measured 1–2 % faster at D = 128 (tc-forward-NVIDIA-H200-2026-12-03-lazy*.json).
+    lazy_rescale: bool = False
 
     def __post_init__(self):
         if self.block_m not in (64, 128, 192):
@@ -367,8 +370,8 @@ def forward_wgmma_kernel(cfg: WGConfig):
     FULL, EMPTY = 3, 3 + STAGES  # ws: named barriers FULL + s ("stage s has landed"), EMPTY + s ("... is free")
     HANDSHAKE = CONSUMERS + PRODUCER_THREADS  # ws: both sides count at FULL and EMPTY
     KV_STRIDE = BLOCK_N * D_PAD  # elements from one K (or V) buffer to the other
-    steps = fragment_steps(N_TILES, D_TILES, D, cfg.input_kind)
-    init_rows, mask_scores, online_softmax, p_frags, write_rows, softmax_rows, rescale_rows = steps
+    steps = fragment_steps(N_TILES, D_TILES, D, cfg.input_kind, cfg.lazy_rescale)
+    init_rows, mask_scores, online_softmax, p_frags, write_rows, softmax_rows, rescale_rows, _, _ = steps
 
     LOAD_THREADS = PRODUCER_THREADS if WS else THREADS  # ws: only the producer warpgroup copies
     TMA = cfg.copies == "tma"  # ws: the producer's first thread copies whole boxes, mbarriers count the bytes

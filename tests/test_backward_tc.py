@@ -229,17 +229,29 @@ def test_backward_tc_grid_bulk_dq(xp, rng, kind, causal, n_q, n_k, d, block_m, b
     check_against_reference(got, values, scale, causal, kind)
 
 
-@pytest.mark.skipif(SIMULATOR, reason="GPU tiles at a long sequence: hours in the simulator")
-@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
-def test_backward_tc_long_sequence_default_is_bulk_dq_on_sm90(xp, rng, layout):
-    """choose_config's atomic default at D = 64 from BULK_DQ_MIN_QUERIES queries (bulk_dq on sm_90, else red),
-    ragged and causal with N_q ≠ N_k, both layouts, against float64."""
-    n_q = T.BULK_DQ_MIN_QUERIES + 37
-    cfg = T.choose_config(64, "bfloat16", atomic=True, seqlen_q=n_q)
-    assert cfg.bulk_dq == (compute_capability() >= (9, 0))
-    got, values, scale = run_backward(xp, rng, n_q, 333, 64, "bfloat16", True, False, layout=layout, heads=3,
-                                      cfg=cfg)
+@pytest.mark.parametrize("bulk_dq", [False, True])
+def test_backward_tc_grid_dq_before_dk(xp, rng, bulk_dq):
+    """``dq_before_dk``: step 1g between the dV and dK products (FlashAttention-2's order), by red and by bulk
+    reductions; ragged tiles both ways, causal."""
+    if bulk_dq and not SIMULATOR and compute_capability() < (9, 0):
+        pytest.skip("cp.reduce.async.bulk needs sm_90")
+    cfg = T.TCBackwardConfig(32, 64, 32, "bfloat16", kv_in_registers=False, warps_keys=2, warps_dq_rows=2,
+                             bulk_dq=bulk_dq, dq_before_dk=True)
+    got, values, scale = run_backward(xp, rng, 70, 45, 32, "bfloat16", True, False, heads=1, cfg=cfg)
     check_against_reference(got, values, scale, True, "bfloat16")
+
+
+@pytest.mark.skipif(SIMULATOR, reason="GPU tiles: hours in the simulator")
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_backward_tc_atomic_default_is_bulk_dq_on_sm90(xp, rng, layout):
+    """choose_config's atomic defaults at D = 64 and 128 (bulk_dq issued between the dV and dK products on sm_90,
+    else red), ragged and causal with N_q ≠ N_k across several query tiles, both layouts, against float64."""
+    for d, n_q in ((64, 1000), (128, 613)):
+        cfg = T.choose_config(d, "bfloat16", atomic=True)
+        assert cfg.bulk_dq == cfg.dq_before_dk == (compute_capability() >= (9, 0))
+        got, values, scale = run_backward(xp, rng, n_q, 333, d, "bfloat16", True, False, layout=layout, heads=3,
+                                          cfg=cfg)
+        check_against_reference(got, values, scale, True, "bfloat16")
 
 
 @pytest.mark.parametrize("warps_keys,warps_dq_rows,d", [(4, 2, 128), (4, 4, 40), (2, 1, 64)])
@@ -377,6 +389,8 @@ def test_config_and_can_implement():
     assert fa2.grid and not T.TCBackwardConfig(**grid).grid
     with pytest.raises(ValueError, match="bulk_dq"):
         T.TCBackwardConfig(**grid, bulk_dq=True)
+    with pytest.raises(ValueError, match="dq_before_dk"):
+        T.TCBackwardConfig(**grid, dq_before_dk=True)
     bulk = dataclasses.replace(fa2, bulk_dq=True)  # + the staging tile of dQ_i: 64 queries × 128 columns, float32
     assert T.shared_bytes(bulk, "dkdv_atomic") == 177152 + 64 * 128 * 4 and bulk.dq_warp_tile == (32, 32)
     assert T.shared_bytes(bulk, "dkdv") == 177152
@@ -426,25 +440,23 @@ def test_config_and_can_implement():
     assert T.choose_config(64, "float16", simulator=False, cc=(8, 6), max_shared=99 * 1024) == dataclasses.replace(
         d64, vector_red=False
     )
-    # The atomic route above D = 64: 8 warps, 128 keys per block, where shared memory allows (else the 64 × 64 tiles).
-    a64, a128 = (T.choose_config(d, "bfloat16", simulator=False, cc=(9, 0), max_shared=227 * 1024, atomic=True)
+    # The atomic route above D = 64: 8 warps, 128 keys per block, where shared memory allows (else the 64 × 64 tiles);
+    # before sm_90 dQ by red.global.add.
+    a64, a128 = (T.choose_config(d, "bfloat16", simulator=False, cc=(8, 0), max_shared=227 * 1024, atomic=True)
                  for d in (64, 128))
     assert (a64.block_m, a64.block_n, a128.block_m, a128.block_n) == (128, 128, 64, 128)
     assert (a64.warps_keys, a64.warps_dq_rows, a128.warps_keys, a128.warps_dq_rows) == (4, 4, 4, 2)  # FA2's grids
-    assert not a128.bulk_dq and T.shared_bytes(a128, "dkdv_atomic") == 177152  # red.global.add: the measured faster
+    assert not (a64.bulk_dq or a64.dq_before_dk or a128.bulk_dq or a128.dq_before_dk)
+    assert T.shared_bytes(a128, "dkdv_atomic") == 177152
     assert T.shared_bytes(a64, "dkdv_atomic") == 182272  # K, V 2·128·72; Q, dO 2·2·128·72; lse2, D; Pᵀ, dSᵀ 2·128·136
-    # Long sequences at D = 64 on sm_90: dQ by bulk reductions (+ the 128 × 64 float32 staging tile); not before sm_90,
-    # nor for short sequences, nor at D = 128, nor where shared memory is short.
-    long64 = T.choose_config(64, "bfloat16", simulator=False, cc=(9, 0), max_shared=227 * 1024, atomic=True,
-                             seqlen_q=T.BULK_DQ_MIN_QUERIES)
-    assert long64 == dataclasses.replace(a64, bulk_dq=True) and T.shared_bytes(long64) == 182272 + 128 * 64 * 4
-    hopper_long = dict(cc=(9, 0), max_shared=227 * 1024, atomic=True, seqlen_q=4096)
-    for kw in (dict(seqlen_q=T.BULK_DQ_MIN_QUERIES - 1), dict(seqlen_q=None), dict(cc=(8, 0)),
-               dict(max_shared=200 * 1024)):
-        cfg = T.choose_config(64, "bfloat16", simulator=False, **{**hopper_long, **kw})
-        assert (cfg.block_m, cfg.block_n, cfg.warps_keys, cfg.bulk_dq) == (128, 128, 4, False), kw  # red.global.add
-    assert not T.choose_config(128, "bfloat16", simulator=False, cc=(9, 0), max_shared=227 * 1024, atomic=True,
-                               seqlen_q=16384).bulk_dq
+    # On sm_90: dQ by bulk reductions between the dV and dK products (+ the float32 staging tile of dQ_i), at D = 64
+    # and 128; red where shared memory is short.
+    for d, red, staged in ((64, a64, 128 * 64 * 4), (128, a128, 64 * 128 * 4)):
+        hopper = T.choose_config(d, "bfloat16", simulator=False, cc=(9, 0), max_shared=227 * 1024, atomic=True)
+        assert hopper == dataclasses.replace(red, vector_red=True, bulk_dq=True, dq_before_dk=True), d
+        assert T.shared_bytes(hopper) == T.shared_bytes(red, "dkdv_atomic") + staged, d
+        short = T.choose_config(d, "bfloat16", simulator=False, cc=(9, 0), max_shared=200 * 1024, atomic=True)
+        assert short == dataclasses.replace(red, vector_red=True), d
     small64 = T.choose_config(64, "bfloat16", simulator=False, cc=(8, 0), max_shared=163 * 1024, atomic=True)
     assert small64 == T.choose_config(64, "bfloat16", simulator=False, cc=(8, 0), max_shared=163 * 1024)  # 64 × 64
     # Padded 96: 6 column tiles, dQ's warps 4 × 2; padded 80 (5 tiles) cannot be split: the register layout.

@@ -67,18 +67,21 @@ def _host(a):
     return a if isinstance(a, np.ndarray) else a.get()
 
 
-def run_and_check(xp, rng, n_q, n_k, d, kind, causal, cfg=None, layout="bhsd", batch=1, heads=2, launch=None):
+def run_and_check(xp, rng, n_q, n_k, d, kind, causal, cfg=None, layout="bhsd", batch=1, heads=2, launch=None,
+                  key_growth=0.0):
     """Run the kernel on ``xp`` arrays (NumPy in the simulator, CuPy on a GPU) and check o and lse.
 
     ``launch``: the kernel's launcher (``launch(cfg, q, k, v, o, lse, scale, causal)``), by default this
-    module's; the wgmma forward's tests pass theirs.
+    module's; the wgmma forward's tests pass theirs.  ``key_growth``: key j is scaled by 1 + key_growth · j,
+    so that the scores, and every row's running max, keep growing from one key tile to the next.
     """
     cfg = cfg or F.choose_config(d, kind)
     launch = launch or F.launch_forward_tc
     shape = (lambda n: (batch, heads, n, d)) if layout == "bhsd" else (lambda n: (batch, n, heads, d))
-    (q, qv), (k, kv), (v, vv) = (
-        to_kind(rng.standard_normal(shape(n)).astype(np.float32), kind) for n in (n_q, n_k, n_k)
-    )
+    x_q, x_k, x_v = (rng.standard_normal(shape(n)).astype(np.float32) for n in (n_q, n_k, n_k))
+    growth = (1 + key_growth * np.arange(n_k, dtype=np.float32))[:, None]  # per key row
+    x_k = x_k * (growth if layout == "bhsd" else growth[:, None])
+    (q, qv), (k, kv), (v, vv) = (to_kind(x, kind) for x in (x_q, x_k, x_v))
     q, k, v = (xp.asarray(x) for x in (q, k, v))
     o = xp.zeros_like(q)
     canon = (lambda x: x) if layout == "bhsd" else (lambda x: x.transpose(0, 2, 1, 3))
@@ -155,6 +158,29 @@ def test_forward_tc_qk_unrolled(xp, rng, d, q_in_regs, qk_unroll, kind):
     not divide (D = 48: 3 k-steps in groups of 2); Q from registers or re-read per k-step."""
     cfg = F.TCConfig(32, 16, d, kind, q_in_regs=q_in_regs, qk_unroll=qk_unroll, kv_pipeline="split")
     run_and_check(xp, rng, 37, 21, d, kind, True, cfg=cfg, heads=1)
+
+
+@pytest.mark.parametrize("lazy_rescale", [True, False])
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+def test_forward_tc_rescales_when_the_max_grows(xp, rng, kind, lazy_rescale):
+    """Scores that grow along the keys (key j scaled by 1 + 0.4 j): a row's max passes its reference by more
+    than ``RESCALE_SLACK_LOG2`` at later key tiles too, so the lazy rescale must rescale O there (and keeps the
+    stale reference, with P up to 2^8, at the tiles in between); the eager one rescales at every tile."""
+    cfg = F.TCConfig(32, 16, 32, kind, m_tiles=2, kv_pipeline="split", lazy_rescale=lazy_rescale)
+    run_and_check(xp, rng, 33, 70, 32, kind, False, cfg=cfg, heads=1, key_growth=0.4)
+    run_and_check(xp, rng, 40, 51, 32, kind, True, cfg=cfg, heads=1, key_growth=0.4)
+
+
+def test_lazy_rescale_moves_the_reference_only_past_the_slack():
+    """The rule itself, on the row maxima of the growth test's scores: between some key tiles the max grows by
+    less than the slack (the reference stays, P > 1), between others by more (O is rescaled)."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((33, 32))
+    k = rng.standard_normal((70, 32)) * (1 + 0.4 * np.arange(70))[:, None]
+    s = q @ k.T / math.sqrt(32) * math.log2(math.e)
+    tile_max = np.maximum.accumulate(np.stack([s[:, j:j + 16].max(1) for j in range(0, 70, 16)], 1), axis=1)
+    steps = np.diff(tile_max, axis=1)
+    assert (steps > F.RESCALE_SLACK_LOG2).any() and ((steps > 0) & (steps <= F.RESCALE_SLACK_LOG2)).any()
 
 
 @pytest.mark.slow

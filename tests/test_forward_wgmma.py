@@ -87,6 +87,19 @@ def test_forward_wgmma_warp_specialized(xp, rng, pipeline, stages, kind, causal,
     run_and_check(xp, rng, n_q, n_k, 64, kind, causal, cfg=cfg, layout="bshd", heads=1, launch=launch)
 
 
+@hopper
+@pytest.mark.parametrize("cfg", [
+    W.WGConfig(64, 16, 64, "bfloat16", "overlap", copies="cp.async", lazy_rescale=True),
+    W.WGConfig(128, 16, 64, "float16", "ws-overlap", stages=3, copies="tma", setmaxnreg=True, lazy_rescale=True),
+    W.WGConfig(64, 16, 64, "float16", "overlap", copies="cp.async"),
+], ids=["overlap-lazy", "ws-overlap-lazy", "overlap"])
+def test_forward_wgmma_rescales_when_the_max_grows(xp, rng, cfg):
+    """Scores growing along the keys (key j scaled by 1 + 0.4 j): the (opt-in) lazy rescale must rescale O at
+    later key tiles too, here where O is rescaled after P_{j-1} V_{j-1} was issued (softmax_rows and
+    rescale_rows apart); and the default, which rescales at every tile."""
+    run_and_check(xp, rng, 40, 70, 64, cfg.input_kind, True, cfg=cfg, heads=1, launch=launch, key_growth=0.4)
+
+
 def test_tma_configuration_rules():
     """Only the ws pipelines (whose producer issues the copies) take ``copies="tma"``; on the GPU the ws
     pipeline copies with TMA up to D = 128, and ``copies="cp.async"`` names the best configuration without it."""
