@@ -334,12 +334,15 @@ def attention_backward(
             ``…-d64-fa2tile.json``, ``…-bulk.json``): at D = 64 the atomic
             route with FlashAttention-2's 128 × 128 tiles and warp grid
             124–239 TFLOP/s (geomean 194) against 137–212 (185–187)
-            deterministic (it loses only at causal N = 1k), and from
-            N_q = 2048 on sm_90 with dQ added by bulk reductions from shared
-            memory, 165–249 (``…-bulk-tile*.json``; 0–4 % over ``red``); at D = 128
+            deterministic (it loses only at causal N = 1k); at D = 128
             the atomic route, with FlashAttention-2's 8-warp 64 × 128 tiles
             and its warp grid, 189–270 against 183–222 non-causal and
             133–266 against 146–220 causal (it loses only at causal N = 1k);
+            on sm_90, with dQ added by bulk reductions from shared memory
+            issued between the dV and dK products, at D = 64 127–271
+            (geomean 216, against 186 deterministic) and at D = 128 137–308
+            (240 against 196), still behind the deterministic route at
+            causal N = 1k only (``tc-backward-NVIDIA-H200-2026-12-03-dqorder*.json``);
             at D = 256 97–167 against 79–118
             (``tc-backward-NVIDIA-H200-2026-12-02-wg256.json``);
             *wgmma* (Hopper): deterministic — the
