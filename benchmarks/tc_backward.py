@@ -46,7 +46,6 @@ import math
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 
@@ -56,7 +55,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.forward_sweep import environment  # noqa: E402
-from benchmarks.tc_sweep import as_cupy, cuda_time_ms  # noqa: E402
+from benchmarks.tc_sweep import as_cupy, compile_in_processes, cuda_time_ms  # noqa: E402
 from nbflash import api  # noqa: E402
 from nbflash import backward_tc as T  # noqa: E402
 from nbflash import backward_wgmma as W  # noqa: E402
@@ -406,10 +405,7 @@ def sweep(args, log, env, save):
     }
     log("candidates: " + ", ".join(f"{tag(c)} D{c.head_dim} {c.input_kind}" for c in cfgs) + f"; defaults {defaults}")
     if args.jobs > 1:  # compile in parallel processes first: the on-disk kernel cache hands the kernels over
-        argv = [sys.executable, __file__, *sys.argv[1:]]
-        procs = [subprocess.Popen([*argv, f"--compile-part={i}/{args.jobs}"], stdout=subprocess.DEVNULL)
-                 for i in range(args.jobs)]
-        codes = [p.wait() for p in procs]
+        codes = compile_in_processes(__file__, args.jobs)
         log(f"[{time.perf_counter() - start:.0f} s] compiled in {args.jobs} processes (exit codes {codes}); "
             f"disk cache {'on' if disk_cache_enabled() else 'OFF: compiled again below'}")
     compiled = compile_configs(log, cfgs, routes)

@@ -151,6 +151,15 @@ def select(dims, kinds, wanted=None):
     return cfgs
 
 
+def compile_in_processes(script: str, jobs: int) -> list[int]:
+    """Run ``script`` with this process's arguments plus ``--compile-part=i/jobs`` in ``jobs`` processes at once:
+    each compiles its share of the candidates into the on-disk kernel cache, from which the caller then loads them.
+    Returns the processes' exit codes."""
+    argv = [sys.executable, os.path.abspath(script), *sys.argv[1:]]
+    procs = [subprocess.Popen([*argv, f"--compile-part={i}/{jobs}"], stdout=subprocess.DEVNULL) for i in range(jobs)]
+    return [p.wait() for p in procs]
+
+
 def as_cupy(t: torch.Tensor):
     """Zero-copy CuPy view (bfloat16 as its uint16 bits)."""
     if t.dtype == torch.bfloat16:
@@ -308,12 +317,9 @@ def main():
     if args.compile_part:  # a --jobs worker: its share of the candidates, into the disk cache
         i, n = (int(x) for x in args.compile_part.split("/"))
         cfgs = cfgs[i::n]
-    elif args.jobs > 1:  # compile in parallel processes first: the on-disk kernel cache hands the kernels over
+    elif args.jobs > 1:
         t0 = time.perf_counter()
-        argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:]]
-        procs = [subprocess.Popen([*argv, f"--compile-part={i}/{args.jobs}"], stdout=subprocess.DEVNULL)
-                 for i in range(args.jobs)]
-        codes = [p.wait() for p in procs]
+        codes = compile_in_processes(__file__, args.jobs)
         log(f"compiled in {args.jobs} processes in {time.perf_counter() - t0:.0f} s (exit codes {codes})")
     compiled = []
     for cfg in cfgs:
