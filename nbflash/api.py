@@ -343,6 +343,11 @@ def attention_backward(
             (geomean 216, against 186 deterministic) and at D = 128 137–308
             (240 against 196), still behind the deterministic route at
             causal N = 1k only (``tc-backward-NVIDIA-H200-2026-12-03-dqorder*.json``);
+            with steps 0 and 2' moving 16 bytes per load and store (about 295 µs less per call at
+            batch·N = 16k, heads·D = 2048) the atomic default measured 159–314 TFLOP/s,
+            0.96–1.10× SDPA's FlashAttention-2 backward at N = 512–16k, D = 64 and 128, bf16
+            and fp16 (``bwd-kernels-NVIDIA-H200-2026-12-03-wide*.json``; the deterministic
+            route was not timed again);
             at D = 256 97–167 against 79–118
             (``tc-backward-NVIDIA-H200-2026-12-02-wg256.json``);
             *wgmma* (Hopper): deterministic — the
@@ -357,7 +362,8 @@ def attention_backward(
             the wgmma backward of :mod:`nbflash.backward_wgmma` at head dims
             that are multiples of 8 up to 128 — measured 1.03–1.25× SDPA's
             FlashAttention-2 backward on the H200 at D = 128 and 0.91–1.16× at
-            D = 64 (N ≥ 1k), against 0.63–0.94× for the ``mma.sync`` one;
+            D = 64 (N ≥ 1k; the 2026-12-01 defaults), against 0.96–1.10× for the ``mma.sync`` one's
+            atomic default (2026-12-03);
             else — and on Hopper above D = 128 — the tensor-core backward of
             :mod:`nbflash.backward_tc` at head dims that are multiples of 8 up
             to 256 on an sm_80+ GPU; the SIMT one otherwise), ``"simt"`` or

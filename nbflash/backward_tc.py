@@ -20,7 +20,7 @@ The gradients, with ``P_ij = exp(S_ij·scale − lse_i)`` recomputed tile by til
 
 where ``D_i = rowsum(dO_i ∘ O_i)``.
 
-0. **Preprocess** — the SIMT kernel of :mod:`nbflash.backward`: ``D_i``,
+0. **Preprocess** — :func:`nbflash.backward.preprocess_wide_kernel` (16-byte loads and stores): ``D_i``,
    ``lse2_i = lse_i · log2 e`` (``+inf`` for a row that saw no key) and, for
    the atomic variant, a cleared float32 dQ accumulator.
 
@@ -71,9 +71,9 @@ where ``D_i = rowsum(dO_i ∘ O_i)``.
    (B = V rows, no transpose), ``dS = P ∘ (dP − D_row)``, ``dQ_i += dS K_j``
    (A = dS packed, B = K_j by ``ldmatrix.trans``).  ``dQ_i · scale`` written once.
 
-2'. **Convert**, atomic variant — the SIMT kernel of :mod:`nbflash.backward`:
+2'. **Convert**, atomic variant — :func:`nbflash.backward.dq_convert_wide_kernel`:
    ``dq = accumulator · scale`` in the output type (with ``bulk_dq``: :func:`dq_tile_convert_kernel`, which
-   reads the accumulator's tiles in fragment order).
+   reads the accumulator's tiles in fragment order); both 16 bytes per load and store.
 
 **The grid layout** (:attr:`TCBackwardConfig.warps_keys`; :func:`_dkdv_grid_kernel`).  In the layout
 above a warp owns 16 keys and *all* of every product's other side, so each ``ldmatrix`` of a B operand
@@ -149,7 +149,10 @@ With ``bulk_dq`` (dQ by one bulk reduction per warp and tile, the accumulator in
 ``tc-backward-NVIDIA-H200-2026-12-02-bulk-tile*.json``): 2–4 % faster at D = 64 from N = 2k; within ±2 % at
 D = 128.  With those bulk reductions issued between the dV and dK products (``dq_before_dk``,
 ``tc-backward-NVIDIA-H200-2026-12-03-dqorder*.json``): +8–14 % at both head dims, 0.80–1.00× FlashAttention-2
-at D = 128 and 0.82–0.97× at D = 64 — the atomic default on sm_90.
+at D = 128 and 0.82–0.97× at D = 64 — the atomic default on sm_90.  With steps 0 and 2' moving 16 bytes per load
+and store (they took 418 µs of every call at batch·N = 16k, heads·D = 2048, now 122;
+``bwd-kernels-NVIDIA-H200-2026-12-03-*.json``, per kernel by CUPTI): 0.96–1.10× SDPA's FlashAttention-2 backward
+at N = 512–16k, D = 64 and 128, bf16 and fp16; the dK/dV kernel alone 0.81–1.01× FlashAttention-2's.
 :func:`nbflash.attention_backward` runs it for float16/bfloat16 (``backend=``).
 """
 
@@ -651,7 +654,7 @@ def _make_dq_bulk_adder(cfg: TCBackwardConfig, stage: int):
 
     Only the warp's own lanes touch its part, so no block barrier is involved.  Rows past ``seqlen_q`` and
     columns of padding are added too — into the accumulator's padding, which step 2' does not read.  Before the
-    kernel exits, lane 0 waits for the last group (``bulk_wait_group(0)``).
+    kernel exits, lane 0 waits until the copy engine has read the last group (``bulk_wait_group_read(0)``).
     """
     R, C = cfg.dq_warp_tile
     TILES = R * C // 128  # 16 × 8 accumulator tiles of a warp
@@ -1107,11 +1110,14 @@ def _dkdv_grid_kernel(cfg: TCBackwardConfig, atomic_dq: bool):
                 kv_product(dK, af, smem, ds_at, q_base + qk_at)
 
         I.cp_async_wait_all()  # nothing left in flight (also when no query tile sees these keys)
-        if BULK_DQ and lane == 0:
-            H.bulk_wait_group(0)  # this warp's last bulk reduction has read its source and landed
 
         # dK_j · scale and dV_j, written once.
         store_dkdv(dk, dv, dK, dV, b, h, k_start + key0 + g, col0, t, seqlen_k, numba.float32(scale))
+        if BULK_DQ and lane == 0:
+            # The copy engine has read this warp's last staged dQ_i, so the block's shared memory may go.  Its
+            # additions need not have landed: nothing here reads dQ, and the grid's end makes them visible to
+            # step 2' (as a TMA store epilogue waits for its reads only).
+            H.bulk_wait_group_read(0)
 
     return flash_backward_dkdv_grid_tc
 
@@ -1284,30 +1290,57 @@ def dq_tc_kernel(cfg: TCBackwardConfig):
 @functools.cache
 def dq_tile_convert_kernel(cfg: TCBackwardConfig):
     """Step 2' for ``cfg.bulk_dq``: ``dq = accumulator · scale`` in the output type, read in the tiles' fragment
-    order (:func:`dq_tile_position`).  One block per query tile; each thread takes column pairs of the tile's
-    rows in turn, so the stores of a warp are consecutive (the loads gather, from the tile's 32 KB at D = 128)."""
-    position = device_function(dq_tile_position(cfg))
+    order (:func:`dq_tile_position`) by 16-byte loads, written by 16-byte stores.  One block per query tile.
+
+    In a warp's part of the tile, the values ``i`` and ``i + 1`` (i even) of accumulator tile ``n`` are two runs
+    of 32 floats, lane by lane; lanes ``4g .. 4g + 3`` of them hold row ``g`` (i = 0) or ``g + 8`` (i = 2) of
+    the 16-row tile, columns ``2t`` and ``2t + 1`` of its 8.  So a thread that loads four floats from each run
+    has one row's eight consecutive columns: it packs them into four 16-bit pairs and stores them with one
+    ``st.global.v4``.
+    Threads take those units in the order of the storage — eight rows (``g``), both halves of the 16-row
+    tile, tile after tile — so every load of a warp reads four whole 128-byte lines.  A row of ``dq`` that is
+    not contiguous and 16-byte aligned gets element stores instead.
+    """
     store_pair = _make_pair_storer(cfg.input_kind)
-    ROWS, D_PAD, THREADS = cfg.block_m, cfg.d_pad, cfg.threads
-    PAIRS = D_PAD // 2
+    pack = I.pack_bf16x2 if cfg.input_kind == "bfloat16" else I.pack_f16x2
+    R, C = cfg.dq_warp_tile
+    WDQ = cfg.d_pad // C  # warps across the columns
+    N8 = C // 8  # 8-column accumulator tiles across a warp's columns
+    TILES = R * C // 128  # 16 × 8 accumulator tiles of a warp
+    BLOCK_M, THREADS = cfg.block_m, cfg.threads
+    UNITS = BLOCK_M * cfg.d_pad // 8  # (row, 8 columns) units of a query tile
 
     @kernel(fastmath=True)
     def flash_backward_dq_convert_tiled_tc(dq_accum, dq, scale):
         """One block: dq for one query tile of one (batch, head); ``dq_accum`` is ``(B, H, tiles · ROWS, D_PAD)``."""
         seqlen_q = dq.shape[2]
         head_dim = dq.shape[3]
-        q_start = cuda.blockIdx.x * ROWS
+        q_start = cuda.blockIdx.x * BLOCK_M
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
         sc = numba.float32(scale)
-        for j in range(cuda.threadIdx.x, ROWS * PAIRS, THREADS):
-            r = j // PAIRS
-            c = 2 * (j % PAIRS)
-            if q_start + r < seqlen_q and c < head_dim:  # D is a multiple of 8: c + 1 < head_dim too
-                at = position(r, c)  # column c + 1 is the next value of the same lane: 32 further on
-                x = dq_accum[b, h, q_start + at // D_PAD, at % D_PAD]
-                y = dq_accum[b, h, q_start + (at + 32) // D_PAD, (at + 32) % D_PAD]
-                store_pair(dq, b, h, q_start + r, c, x * sc, y * sc)
+        tile = I.global_address(dq_accum, (b, h, q_start, 0))  # the query tile: block_m · d_pad floats in a run
+        unit = dq.strides[3] == 2
+        for j in range(cuda.threadIdx.x, UNITS, THREADS):
+            g = j % 8
+            half = (j // 8) % 2  # rows g (values 0, 1) or g + 8 (values 2, 3) of the 16-row tile
+            n = (j // 16) % TILES
+            w = j // (16 * TILES)
+            row = q_start + (w // WDQ) * R + (n // N8) * 16 + 8 * half + g
+            col = (w % WDQ) * C + (n % N8) * 8
+            if row < seqlen_q and col < head_dim:  # D is a multiple of 8: the whole chunk is data or padding
+                at = tile + 4 * (w * R * C + (4 * n + 2 * half) * 32 + 4 * g)  # columns 2t: lanes 4g .. 4g + 3
+                e0, e1, e2, e3 = I.ld_global_v4_f32(at)
+                o0, o1, o2, o3 = I.ld_global_v4_f32(at + 128)  # columns 2t + 1: the next value, 32 floats on
+                out = I.global_address(dq, (b, h, row, col))
+                if unit and (out & 15) == 0:
+                    I.st_global_v4_b32(out, pack(e0 * sc, o0 * sc), pack(e1 * sc, o1 * sc), pack(e2 * sc, o2 * sc),
+                                       pack(e3 * sc, o3 * sc))
+                else:
+                    store_pair(dq, b, h, row, col, e0 * sc, o0 * sc)
+                    store_pair(dq, b, h, row, col + 2, e1 * sc, o1 * sc)
+                    store_pair(dq, b, h, row, col + 4, e2 * sc, o2 * sc)
+                    store_pair(dq, b, h, row, col + 6, e3 * sc, o3 * sc)
 
     return flash_backward_dq_convert_tiled_tc
 
@@ -1521,26 +1554,10 @@ def launch_backward_tc(
     else:
         shape = (batch, heads, seqlen_q, head_dim)
     dq_accum = empty(shape, np.float32)  # cleared by step 0
-    simt_grid = (-(-seqlen_q // simt.block_m), heads, batch)
-    simt_block = (simt.threads_x, simt.threads_y, 1)
-    # Step 0's blocks clear the accumulator's rows; bulk_dq's padding rows too (its bulk reductions add to them).
-    pre_grid = (-(-shape[2] // simt.block_m), heads, batch) if bulk else simt_grid
     qk_scale_log2, sc = float(scale * LOG2E), float(scale)
-
-    launch(
-        bw.preprocess_kernel(simt),
-        pre_grid,
-        simt_block,
-        stream,
-        0,
-        o,
-        do,
-        lse,
-        delta,
-        lse2,
-        dq_accum,
-        not deterministic,
-    )
+    # Step 0 clears the accumulator's rows; bulk_dq's padding rows too (its bulk reductions add to them).
+    bw.launch_preprocess(simt, o, do, lse, delta, lse2, dq_accum, not deterministic, stream,
+                         rows=shape[2] if bulk else seqlen_q)
     name = "dkdv" if deterministic else "dkdv_atomic"
     launch(
         dkdv_tc_kernel(cfg, not deterministic),
@@ -1562,7 +1579,7 @@ def launch_backward_tc(
     elif bulk:
         launch(dq_tile_convert_kernel(cfg), (q_tiles, heads, batch), (cfg.threads, 1, 1), stream, 0, dq_accum, dq, sc)
     else:
-        launch(bw.dq_convert_kernel(simt), simt_grid, simt_block, stream, 0, dq_accum, dq, sc)
+        bw.launch_dq_convert(simt, dq_accum, dq, sc, stream)
 
 
 def kernel_signature(cfg: TCBackwardConfig, name: str):

@@ -739,10 +739,8 @@ def launch_backward_wgmma(cfg: WGBackwardConfig, do, q, k, v, o, lse, dq, dk, dv
     rows = -(-seqlen_q // cfg.block_n) * cfg.block_n
     shape = (1, 1, 1, 1) if deterministic else (batch, heads, rows, cfg.d_smem)  # unused when deterministic
     dq_accum = empty(shape, np.float32)
-    simt_grid, simt_block = (-(-seqlen_q // simt.block_m), heads, batch), (simt.threads_x, simt.threads_y, 1)
-    pre_grid = (-(-(seqlen_q if deterministic else rows) // simt.block_m), heads, batch)
-    launch(bw.preprocess_kernel(simt), pre_grid, simt_block, stream, 0, o, do, lse, delta, lse2, dq_accum,
-           not deterministic)
+    bw.launch_preprocess(simt, o, do, lse, delta, lse2, dq_accum, not deterministic, stream,
+                         rows=seqlen_q if deterministic else rows)
     qk_scale_log2, sc = float(scale * LOG2E), float(scale)
     launch(dkdv_wgmma_kernel(cfg, not deterministic), (-(-seqlen_k // cfg.block_m) * cfg.slices, heads, batch),
            (cfg.threads, 1, 1), stream, shared_bytes(cfg, not deterministic),
@@ -751,7 +749,7 @@ def launch_backward_wgmma(cfg: WGBackwardConfig, do, q, k, v, o, lse, dq, dk, dv
         launch(dq_wgmma_kernel(cfg), (-(-seqlen_q // cfg.block_m) * cfg.slices, heads, batch), (cfg.threads, 1, 1),
                stream, shared_bytes(cfg), *(q, k, v, do, lse2, delta, dq, qk_scale_log2, sc, bool(causal)))
     else:
-        launch(bw.dq_convert_kernel(simt), simt_grid, simt_block, stream, 0, dq_accum, dq, sc)
+        bw.launch_dq_convert(simt, dq_accum, dq, sc, stream)
 
 
 def kernel_signature(cfg: WGBackwardConfig, name: str):

@@ -61,8 +61,9 @@ Register-A form (:func:`wgmma_rs`)
     the reduction; the issuing thread closes its reductions into a group
     (``cp.async.bulk.commit_group``) and must wait for the group's *reads*
     (``cp.async.bulk.wait_group.read N``, :func:`bulk_wait_group_read`) before
-    the source is written again, and for its completion
-    (``cp.async.bulk.wait_group N``, :func:`bulk_wait_group`) before exiting.
+    the source is written again (or, at the latest, before the block exits and its shared memory goes),
+    and for its completion (``cp.async.bulk.wait_group N``, :func:`bulk_wait_group`) before the kernel
+    itself reads the destination; the grid's end makes the sums visible to later kernels.
 ``setmaxnreg.inc`` / ``setmaxnreg.dec`` (:func:`setmaxnreg_inc`, :func:`setmaxnreg_dec`)
     Give this warpgroup's registers back to the block's pool, or take more
     from it, per thread (a multiple of 8, 24 … 256).  A warp-specialised

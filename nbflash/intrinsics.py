@@ -1,5 +1,5 @@
-"""Tensor-core building blocks: ``mma.sync``, ``ldmatrix``, ``cp.async``, packed conversions — and one
-vector reduction to global memory for the SIMT backward.
+"""Tensor-core building blocks: ``mma.sync``, ``ldmatrix``, ``cp.async``, packed conversions — and the
+vector accesses to global memory (16-byte loads and stores, float32 reductions) of the backward.
 
 Numba has no API for the warp-level matrix instructions, so each one here is an
 ``@intrinsic`` whose code generator emits the PTX instruction as inline
@@ -27,9 +27,11 @@ A 32-bit fragment register holds two 16-bit elements; "half 0" is the low 16
 bits and holds the element with the smaller PTX index (a0 of the pair a0, a1).
 
 Minimum compute capability: ``mma.m16n8k16`` (f16, bf16), ``cp.async`` and the
-``cvt`` packs need sm_80; ``ldmatrix`` sm_75; ``ex2.approx`` and ``red.global.add.f32``
-any; the vector reductions ``red.global.add.v2.f32`` / ``.v4.f32`` sm_90 (PTX ISA 8.1;
-``red_add_f32x4`` falls back to four scalar ``red`` on older GPUs).
+``cvt`` packs need sm_80; ``ldmatrix`` sm_75; ``ex2.approx``, ``red.global.add.f32``
+and the 16-byte global loads and stores (``ld/st.global.v4``, for the backward's
+memory-bound steps 0 and 2') any; the vector reductions ``red.global.add.v2.f32`` /
+``.v4.f32`` sm_90 (PTX ISA 8.1; ``red_add_f32x4`` falls back to four scalar ``red``
+on older GPUs).
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ __all__ = [
     "d_ldmatrix_x4_bt_address",
     "ex2_approx",
     "global_address",
+    "ld_global_v4_b32",
+    "ld_global_v4_f32",
     "ldmatrix_x4",
     "ldmatrix_x4_a_address",
     "ldmatrix_x4_bt_address",
@@ -72,6 +76,7 @@ __all__ = [
     "red_add_f32x2",
     "red_add_f32x4",
     "st_global_b32",
+    "st_global_v4_b32",
     "unpack_bf16x2",
     "unpack_f16x2",
 ]
@@ -658,6 +663,10 @@ class _SimGlobalAddress:
 
     __radd__ = __add__
 
+    def __and__(self, mask):
+        """The low bits of the address, as ``address & mask`` on the GPU (an alignment test)."""
+        return (self.array.ctypes.data + self.offset) & int(mask)
+
     def elements(self, count, align):
         """The index of each of the ``count`` consecutive float32 from here (checking bounds and alignment)."""
         if (self.array.ctypes.data + self.offset) % align:
@@ -727,6 +736,58 @@ def _sim_st_global_b32(address, bits):
     parts = np.array([bits], dtype=np.uint32).view(np.dtype(src.dtype))
     for e, part in enumerate(parts):
         src[address._index(address.offset + e * src.itemsize)] = part
+
+
+def _sim_vector_words(address, what):
+    """The element indices of the four 32-bit words at ``address`` (16-byte aligned; bounds checked), each a
+    tuple of ``4 // itemsize`` indices, lowest address first."""
+    src = address.array
+    if (src.ctypes.data + address.offset) % 16:
+        raise ValueError(f"{what} address {src.ctypes.data + address.offset:#x} is not 16-byte aligned")
+    per = 4 // src.itemsize
+    return [tuple(address._index(address.offset + 4 * w + e * src.itemsize) for e in range(per)) for w in range(4)]
+
+
+def _sim_ld_global_v4_b32(address):
+    """Load 16 bytes from a global address as four 32-bit words: ``(w0, w1, w2, w3)``, uint32, ``w0`` lowest.
+
+    PTX: ``ld.global.v4.b32 {w0, w1, w2, w3}, [address]``; any compute capability (one 16-byte request per
+    thread, where element-wise loads of 16-bit data issue eight).  ``address`` comes from
+    :func:`global_address` plus byte offsets and must be 16-byte aligned.  The memory must not change while
+    the kernel runs (the load may be moved or merged like any pure computation): inputs, or what an earlier
+    kernel wrote.  Eight 16-bit elements come as four words, the lower-addressed element of each pair in
+    the low half (as :func:`unpack_f16x2` / :func:`unpack_bf16x2` take them).  Simulator: the array's
+    elements at that address, bounds and alignment checked.
+    """
+    src = address.array
+    words = []
+    for idx in _sim_vector_words(address, "ld.global.v4"):
+        words.append(np.array([src[i] for i in idx], dtype=src.dtype).view(np.uint32)[0])
+    return tuple(words)
+
+
+def _sim_ld_global_v4_f32(address):
+    """Load four consecutive float32 from a global address: ``(x0, x1, x2, x3)``.
+
+    PTX: ``ld.global.v4.f32``; otherwise as :func:`ld_global_v4_b32` (16-byte aligned, memory unchanged
+    during the kernel).
+    """
+    return tuple(np.uint32(w).view(np.float32) for w in _sim_ld_global_v4_b32(address))
+
+
+def _sim_st_global_v4_b32(address, w0, w1, w2, w3):
+    """Store four 32-bit words at a global address (16 bytes, ``w0`` at the lowest address).
+
+    PTX: ``st.global.v4.b32 [address], {w0, w1, w2, w3}``; any compute capability.  ``address`` (from
+    :func:`global_address`) must be 16-byte aligned.  Eight 16-bit outputs packed in pairs by
+    :func:`pack_f16x2` / :func:`pack_bf16x2` (or four float32 bit patterns; zeros to clear) go out as one
+    request.  Simulator: the array's elements at that address, bounds and alignment checked.
+    """
+    src = address.array
+    for idx, w in zip(_sim_vector_words(address, "st.global.v4"), (w0, w1, w2, w3), strict=True):
+        parts = np.array([w], dtype=np.uint32).view(np.dtype(src.dtype))
+        for i, part in zip(idx, parts, strict=True):
+            src[i] = part
 
 
 def _sim_red_add_f32(address, x):
@@ -1069,6 +1130,42 @@ _gpu_red_add_f32 = _make_gpu_address_op("red_add_f32", "red.global.add.f32 [$0],
 _gpu_st_global_b32 = _make_gpu_address_op("st_global_b32", "st.global.b32 [$0], $1;", types.uint32, _is_int)
 
 
+def _make_gpu_ld_v4(kind):
+    ir_type, c, value_type = (_F32, "f", types.float32) if kind == "f32" else (_I32, "r", types.uint32)
+    ptx = f"ld.global.v4.{kind} {{$0, $1, $2, $3}}, [$4];"
+
+    def ld(typingctx, address):
+        if not _is_int(address):
+            return None
+        sig = types.UniTuple(value_type, 4)(address)
+
+        def codegen(context, builder, sig, args):
+            a = context.cast(builder, args[0], sig.args[0], types.int64)
+            res = _asm(builder, ir.LiteralStructType([ir_type] * 4), [_I64], ptx, f"={c},={c},={c},={c},l", [a])
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(4)])
+
+        return sig, codegen
+
+    ld.__name__ = ld.__qualname__ = f"ld_global_v4_{kind}"
+    return intrinsic(ld)
+
+
+@intrinsic
+def _gpu_st_global_v4_b32(typingctx, address, w0, w1, w2, w3):
+    if not _is_int(address, w0, w1, w2, w3):
+        return None
+    sig = types.void(address, w0, w1, w2, w3)
+
+    def codegen(context, builder, sig, args):
+        a = context.cast(builder, args[0], sig.args[0], types.int64)
+        words = _cast_all(context, builder, args[1:], sig.args[1:], types.uint32)
+        _asm(builder, ir.VoidType(), [_I64] + [_I32] * 4, "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
+             "l,r,r,r,r,~{memory}", [a, *words], side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @intrinsic
 def _gpu_red_add_f32x2(typingctx, address, x, y):
     if not (_is_int(address) and _is_number(x, y)):
@@ -1136,6 +1233,9 @@ unpack_bf16x2 = _public(_sim_unpack_bf16x2, lambda: _make_gpu_unpack("bf16"))
 ex2_approx = _public(_sim_ex2_approx, lambda: _gpu_ex2_approx)
 global_address = _public(_sim_global_address, lambda: _gpu_global_address)
 pinned_u32 = _public(_sim_pinned_u32, lambda: _gpu_pinned_u32)
+ld_global_v4_b32 = _public(_sim_ld_global_v4_b32, lambda: _make_gpu_ld_v4("b32"))
+ld_global_v4_f32 = _public(_sim_ld_global_v4_f32, lambda: _make_gpu_ld_v4("f32"))
+st_global_v4_b32 = _public(_sim_st_global_v4_b32, lambda: _gpu_st_global_v4_b32)
 red_add_f32 = _public(_sim_red_add_f32, lambda: _gpu_red_add_f32)
 st_global_b32 = _public(_sim_st_global_b32, lambda: _gpu_st_global_b32)
 red_add_f32x2 = _public(_sim_red_add_f32x2, lambda: _gpu_red_add_f32x2)

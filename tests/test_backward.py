@@ -34,7 +34,9 @@ from nbflash.reference import attention_backward_ref, attention_ref, causal_mask
 
 
 def _host(x):
-    """A NumPy copy of a NumPy or CuPy array."""
+    """A NumPy copy of a NumPy or CuPy array (or of a simulator device array)."""
+    if hasattr(x, "copy_to_host"):
+        return x.copy_to_host()
     return x.get() if hasattr(x, "get") else np.array(x)
 
 
@@ -673,3 +675,94 @@ def test_kernels_compile_for_sm90():
         if r["kernel"] in ("flash_backward_dkdv", "flash_backward_dq"):
             assert r["barriers"] > 0, r
         assert (r["cp_async"] > 0) == r["async_copy"], r
+
+
+# ----------------------------------------------------------------------------
+# Steps 0 and 2' by 16-byte accesses (16-bit inputs, head dims that are multiples of 8)
+# ----------------------------------------------------------------------------
+
+
+def _rows_view(xp, x, how):
+    """``x`` (B, H, N, D) as a view whose rows are whole aligned 16-byte chunks (``aligned``), strided along D
+    (``strided``: every other element of a wider array) or 2 bytes off alignment (``offset``, on the device)."""
+    if how == "aligned":
+        return xp.asarray(x)
+    if how == "strided":
+        wide = xp.zeros(x.shape[:3] + (2 * x.shape[3],), x.dtype)
+        wide[..., ::2] = xp.asarray(x)
+        return wide[..., ::2]
+    flat = np.zeros(x.size + 1, x.dtype)
+    flat[1:] = _host(x).ravel()
+    # A device array: the simulator copies host arrays into fresh (aligned) ones at every launch.
+    return (nbflash._device.cuda.to_device(flat) if nbflash.SIMULATOR else xp.asarray(flat))[1:].reshape(x.shape)
+
+
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+@pytest.mark.parametrize("how", ["aligned", "strided", "offset"])
+def test_preprocess_wide_reads_rows_of_any_layout(rng, xp, kind, how):
+    """Step 0 by 16-byte loads: D_i = Σ dO ∘ O in float32 and lse2 = lse · log2 e (+inf where lse = −inf), for O
+    rows that are whole aligned chunks or not (then element by element); the accumulator cleared, padding rows
+    included.  D = 24: three chunks among eight lanes; 7 rows: a ragged last block."""
+    B, H, N, D = 1, 2, 7, 24
+    assert bw.takes_wide_rows(kind, D)
+    dtype = np.float16 if kind == "float16" else np.uint16
+    vals = rng.standard_normal((2, B, H, N, D)).astype(np.float32)
+    if kind == "float16":
+        o, do = (v.astype(np.float16) for v in vals)
+        ov, dov = (x.astype(np.float64) for x in (o, do))
+    else:
+        o, do = (intrinsics.f32_to_bf16_bits(v) for v in vals)
+        ov, dov = (intrinsics.bf16_bits_to_f32(x).astype(np.float64) for x in (o, do))
+    lse = rng.standard_normal((B, H, N)).astype(np.float32)
+    lse[0, 1, 3] = -np.inf  # a row that saw no key
+    rows = 8  # the accumulator's rows: one padding row
+    accum = xp.full((B, H, rows, D), np.nan, np.float32)
+    delta, lse2 = (xp.full((B, H, N), np.nan, np.float32) for _ in range(2))
+    tile = bw._steps_0_and_2p(bw.choose_config(D, kind).dq)
+    o_in, do_in = _rows_view(xp, o.astype(dtype), how), xp.asarray(do.astype(dtype))
+    bw.launch_preprocess(tile, o_in, do_in, xp.asarray(lse), delta, lse2, accum, True, 0, rows=rows)
+    np.testing.assert_allclose(_host(delta), (ov * dov).sum(-1), rtol=1e-5, atol=1e-5)
+    want = lse.astype(np.float64) * math.log2(math.e)
+    want[0, 1, 3] = np.inf
+    np.testing.assert_allclose(_host(lse2), want, rtol=1e-6)
+    assert np.all(_host(accum) == 0)
+    assert np.array_equal(_host(o_in).view(np.uint16), o.view(np.uint16)), "o was modified"
+
+
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+@pytest.mark.parametrize("how", ["aligned", "strided", "offset"])
+def test_dq_convert_wide_rounds_every_value(rng, xp, kind, how):
+    """Step 2' by 16-byte accesses: dq = accumulator · scale rounded to nearest even, bit for bit, into rows that
+    are whole aligned chunks or not (then element stores); columns of accumulator padding are not read into dq."""
+    B, H, N, D = 2, 1, 9, 40
+    scale = 0.3
+    acc = (rng.standard_normal((B, H, N, 48)) * 4).astype(np.float32)  # 48: rows padded, as the SIMT route's
+    prod = acc[..., :D] * np.float32(scale)
+    if kind == "float16":
+        want, dtype = prod.astype(np.float16).view(np.uint16), np.float16
+    else:
+        want, dtype = intrinsics.f32_to_bf16_bits(prod), np.uint16
+    dq = _rows_view(xp, np.full((B, H, N, D), 0x7FFF, np.uint16).view(dtype), how)  # poisoned
+    tile = bw._steps_0_and_2p(bw.choose_config(D, kind).dq)
+    bw.launch_dq_convert(tile, xp.asarray(acc), dq, scale, 0)
+    np.testing.assert_array_equal(_host(dq).view(np.uint16), want)
+
+
+def test_steps_0_and_2p_keep_the_tile_kernels_where_rows_are_not_chunks(monkeypatch):
+    """Head dims that are not multiples of 8, and 32/64-bit inputs, keep the tile kernels of steps 0 and 2'."""
+    assert not bw.takes_wide_rows("float16", 20)
+    assert not bw.takes_wide_rows("float32", 64)
+    assert bw.takes_wide_rows("bfloat16", 8) and bw.takes_wide_rows("float16", 256)
+    launched = []
+    monkeypatch.setattr(bw, "launch", lambda kern, *a: launched.append(kern))
+    for d, kind in ((20, "float16"), (64, "float32"), (64, "bfloat16")):
+        tile = bw._steps_0_and_2p(bw.choose_config(d, kind).dq)
+        x = np.zeros((1, 1, 4, d), np.float32 if kind == "float32" else np.float16)
+        bw.launch_preprocess(tile, x, x, None, None, None, None, False, 0)
+        bw.launch_dq_convert(tile, None, x, 1.0, 0)
+    want = []
+    for d, kind in ((20, "float16"), (64, "float32")):
+        tile = bw._steps_0_and_2p(bw.choose_config(d, kind).dq)
+        want += [bw.preprocess_kernel(tile), bw.dq_convert_kernel(tile)]
+    want += [bw.preprocess_wide_kernel("bfloat16"), bw.dq_convert_wide_kernel("bfloat16")]
+    assert launched == want

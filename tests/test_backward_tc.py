@@ -21,7 +21,7 @@ from offline import TESTS, offline_json_rows
 
 from nbflash import backward_tc as T
 from nbflash import intrinsics as I
-from nbflash._device import SIMULATOR, compute_capability
+from nbflash._device import SIMULATOR, compute_capability, cuda
 from nbflash.reference import attention_backward_ref, attention_ref, causal_mask
 
 
@@ -277,6 +277,38 @@ def test_bulk_dq_tile_layout_is_the_fragment_order(warps_keys, warps_dq_rows, d)
                         n = m * (C // 8) + n8  # as _make_tile_product numbers a warp's accumulator tiles
                         want = w * R * C + (4 * n + i) * 32 + lane
                         assert position(q0 + 16 * m + row, c0 + 8 * n8 + col) == want
+
+
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+@pytest.mark.parametrize("warps_keys,warps_dq_rows,d,aligned", [(4, 4, 40, True), (2, 1, 64, True), (2, 1, 64, False)])
+def test_bulk_dq_tile_convert_reads_the_fragment_order(xp, rng, kind, warps_keys, warps_dq_rows, d, aligned):
+    """bulk_dq's step 2' (16-byte loads in the accumulator's fragment order, 16-byte stores): every dq value is
+    the accumulator's value at :func:`dq_tile_position` times the scale, rounded to nearest even, bit for bit;
+    the ragged last query tile and the head-dim padding (D = 40 in 48 columns) are not written past; a dq whose
+    rows are not 16-byte aligned gets element stores."""
+    block_m, n_q = 64, 77
+    cfg = T.TCBackwardConfig(block_m, 64, d, kind, kv_in_registers=False, warps_keys=warps_keys,
+                             warps_dq_rows=warps_dq_rows, bulk_dq=True)
+    position = T.dq_tile_position(cfg)
+    tiles = -(-n_q // block_m)
+    vals = (rng.standard_normal((1, 2, tiles * block_m, cfg.d_pad)) * 3).astype(np.float32)  # [row, col] values
+    acc = np.empty_like(vals)
+    for tile in range(tiles):
+        at = np.array([[position(r, c) for c in range(cfg.d_pad)] for r in range(block_m)])
+        flat = acc[:, :, tile * block_m:(tile + 1) * block_m].reshape(1, 2, -1)  # a view: the tile's run
+        flat[:, :, at.ravel()] = vals[:, :, tile * block_m:(tile + 1) * block_m].reshape(1, 2, -1)
+    scale = 0.7
+    prod = vals[:, :, :n_q, :d] * np.float32(scale)
+    want = prod.astype(np.float16).view(np.uint16) if kind == "float16" else I.f32_to_bf16_bits(prod)
+    store = np.float16 if kind == "float16" else np.uint16
+    flat = np.full(2 * n_q * d + 1, 0x7FFF, np.uint16).view(store)  # poisoned
+    # On the device: the simulator copies host arrays into fresh (aligned) ones at every launch.
+    flat = cuda.to_device(flat) if SIMULATOR else xp.asarray(flat)
+    dq = (flat[:-1] if aligned else flat[1:]).reshape(1, 2, n_q, d)
+    T.dq_tile_convert_kernel(cfg)[(tiles, 2, 1), cfg.threads](xp.asarray(acc), dq, scale)
+    out = flat.copy_to_host() if SIMULATOR else _host(flat)
+    np.testing.assert_array_equal(out[:-1] if aligned else out[1:], want.ravel().view(store))
+    assert out.view(np.uint16)[-1 if aligned else 0] == 0x7FFF  # nothing written past dq
 
 
 @pytest.mark.parametrize("layout", ["registers", "grid", "grid-bulk"])

@@ -681,6 +681,53 @@ def test_st_global_b32_rejects_misaligned_or_outside():
     assert out[3, 6] == 1 and out[3, 7] == 2 and out.sum() == 3
 
 
+@functools.cache
+def vector_copy_kernel():
+    """Thread l copies the 16 bytes of src[1, l // 2, 8·(l % 2) : 8·(l % 2) + 8] (uint16) to the same place of
+    dst by one ld.global.v4.b32 and one st.global.v4.b32, and row l of the float32 f by one ld.global.v4.f32
+    into row l of g, element by element."""
+
+    @kernel
+    def vector_copy(src, dst, f, g):
+        lane = cuda.threadIdx.x
+        w0, w1, w2, w3 = I.ld_global_v4_b32(I.global_address(src, (1, lane // 2, 8 * (lane % 2))))
+        I.st_global_v4_b32(I.global_address(dst, (1, lane // 2, 8 * (lane % 2))), w0, w1, w2, w3)
+        x0, x1, x2, x3 = I.ld_global_v4_f32(I.global_address(f, (lane, 0)))
+        g[lane, 0] = x0
+        g[lane, 1] = x1
+        g[lane, 2] = x2
+        g[lane, 3] = x3
+
+    return vector_copy
+
+
+def test_vector_loads_and_stores_move_16_bytes(rng):
+    src = rng.integers(0, 2**16, size=(2, 4, 16), dtype=np.uint16)
+    dst = np.full_like(src, SENTINEL)
+    f = rng.standard_normal((8, 4)).astype(np.float32)
+    g = np.full_like(f, np.nan)
+    vector_copy_kernel()[1, 8](src, dst, f, g)
+    want = np.full_like(src, SENTINEL)
+    want[1] = src[1]
+    np.testing.assert_array_equal(dst, want)
+    np.testing.assert_array_equal(g, f)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the simulator's address checks")
+def test_vector_loads_and_stores_reject_misaligned_or_outside():
+    a = np.arange(64, dtype=np.uint16).reshape(4, 16)
+    with pytest.raises(ValueError, match="aligned"):
+        I.ld_global_v4_b32(I.global_address(a, (0, 4)))  # 8 bytes in
+    with pytest.raises(ValueError, match="aligned"):
+        I.st_global_v4_b32(I.global_address(a, (1, 2)), 1, 2, 3, 4)
+    with pytest.raises(IndexError):
+        I.ld_global_v4_b32(I.global_address(a, (3, 8)) + 16)  # past the end
+    w = I.ld_global_v4_b32(I.global_address(a, (2, 8)))
+    assert [int(x) for x in w] == [int(a[2, 8 + 2 * i]) | int(a[2, 9 + 2 * i]) << 16 for i in range(4)]
+    I.st_global_v4_b32(I.global_address(a, (0, 0)), 0x00020001, 0, 0, 0x00080007)  # low half first
+    assert list(a[0, :8]) == [1, 2, 0, 0, 0, 0, 7, 8]
+
+
 # ----------------------------------------------------------------------------
 # Offline GPU compilation: NVVM → PTX → ptxas (→ SASS), no GPU needed
 # ----------------------------------------------------------------------------
@@ -716,6 +763,8 @@ def compile_targets():
                 (arr(f32, 3), i64, i64, i64, i64, arr(f32, 1), arr(f32, 1), arr(f32, 1)),
                 ["cp.async.ca.shared.global", "cp.async.cg.shared.global"]))
     out.append(("st_global_b32", store_pairs_kernel(), (arr(f32, 2), arr(u16, 4, "A")), ["st.global.b32"]))
+    out.append(("vector_copy", vector_copy_kernel(), (arr(u16, 3, "A"), arr(u16, 3, "A"), arr(f32, 2), arr(f32, 2)),
+                ["ld.global.v4.b32", "st.global.v4.b32", "ld.global.v4.f32"]))
     out.append(("convert", convert_kernel(), (arr(f32, 2), arr(u32, 2), arr(f32, 2), arr(f32, 1)),
                 ["cvt.rn.f16x2.f32", "cvt.rn.bf16x2.f32", "ex2.approx.ftz.f32"]))
     red_sig = (arr(f32, 4, "A"), i64, i64, arr(f32, 3))
@@ -738,6 +787,7 @@ SASS = {
     "cp_async_at": ["LDGSTS.E.BYPASS.128"],
     "cp_async_4": ["LDGSTS.E", "LDGSTS.E.BYPASS.128"],
     "st_global_b32": ["STG.E"],  # a 0-or-16 byte count becomes a predicate, not .ZFILL
+    "vector_copy": ["LDG.E.128", "STG.E.128"],
     "convert": ["F2FP.F16.F32.PACK_AB", "F2FP.BF16.F32.PACK_AB", "MUFU.EX2"],
     "red_scalar": ["REDG.E.ADD.F32.FTZ.RN"],  # a global reduction: no ATOM, no generic-address (QSPC) fallback
     "red_v2": ["REDG.E.ADD.F32x2.FTZ.RN"],
