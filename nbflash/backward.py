@@ -1081,16 +1081,21 @@ def dq_convert_wide_kernel(input_kind: str):
 # ----------------------------------------------------------------------------
 
 
+def _rows_kernel(tile: TileConfig, head_dim: int, wide, tiled):
+    """``(kernel, rows per block, block)`` of step 0 or 2': ``wide(input_kind)`` where :func:`takes_wide_rows`,
+    else ``tiled(tile)``."""
+    if takes_wide_rows(tile.input_kind, head_dim):
+        return wide(tile.input_kind), WIDE_ROWS, (WIDE_THREADS, 1, 1)
+    return tiled(tile), tile.block_m, (tile.threads_x, tile.threads_y, 1)
+
+
 def launch_preprocess(tile: TileConfig, o, do, lse, delta, lse2, dq_accum, clear_dq: bool, stream, rows=None):
     """Step 0 for every backward: :func:`preprocess_wide_kernel` where :func:`takes_wide_rows`, else the tile
     kernel of ``tile`` (the :func:`_steps_0_and_2p` tile of the backward's dQ configuration).  ``rows``: the
     rows to cover (default: the queries; an accumulator with padding rows passes its own count)."""
     batch, heads, seqlen_q, head_dim = o.shape
     rows = seqlen_q if rows is None else rows
-    if takes_wide_rows(tile.input_kind, head_dim):
-        kern, block_m, block = preprocess_wide_kernel(tile.input_kind), WIDE_ROWS, (WIDE_THREADS, 1, 1)
-    else:
-        kern, block_m, block = preprocess_kernel(tile), tile.block_m, (tile.threads_x, tile.threads_y, 1)
+    kern, block_m, block = _rows_kernel(tile, head_dim, preprocess_wide_kernel, preprocess_kernel)
     launch(kern, (-(-rows // block_m), heads, batch), block, stream, 0, o, do, lse, delta, lse2, dq_accum,
            bool(clear_dq))
 
@@ -1099,10 +1104,7 @@ def launch_dq_convert(tile: TileConfig, dq_accum, dq, scale: float, stream):
     """Step 2' of a row-major accumulator (``dq_accum[b, h, row, col]``): :func:`dq_convert_wide_kernel` where
     :func:`takes_wide_rows`, else the tile kernel of ``tile``."""
     batch, heads, seqlen_q, head_dim = dq.shape
-    if takes_wide_rows(tile.input_kind, head_dim):
-        kern, block_m, block = dq_convert_wide_kernel(tile.input_kind), WIDE_ROWS, (WIDE_THREADS, 1, 1)
-    else:
-        kern, block_m, block = dq_convert_kernel(tile), tile.block_m, (tile.threads_x, tile.threads_y, 1)
+    kern, block_m, block = _rows_kernel(tile, head_dim, dq_convert_wide_kernel, dq_convert_kernel)
     launch(kern, (-(-seqlen_q // block_m), heads, batch), block, stream, 0, dq_accum, dq, float(scale))
 
 
