@@ -3,14 +3,17 @@
     compute-sanitizer --tool memcheck python benchmarks/sanitize_tc.py
     compute-sanitizer --tool racecheck python benchmarks/sanitize_tc.py --mma-backward   # that backward only
     compute-sanitizer --tool racecheck python benchmarks/sanitize_tc.py --bulk-dq   # the bulk_dq backward only
+    compute-sanitizer --tool racecheck python benchmarks/sanitize_tc.py --mma-forward   # that forward only
 
 The ``mma.sync`` forward and backward (both dQ routes) at head dims 40, 64, 128 and 256 (40: padded to 48
-in shared memory; 256: two 128-column slices per key tile),
+in shared memory; 256: two 128-column slices per key tile; the forward also with 300 queries, so that a whole
+query tile sees no key),
 and on a Hopper GPU the ``wgmma`` forward and backward defaults at 40, 64 and 128 (the backward by both dQ
 routes; the forward's producer copies by TMA), the forward that copies with cp.async instead at 64 and
 128, and the long-sequence default at both (at D = 64 a 128 × 192 ws-overlap kernel): bshd views, ragged K/V
 (seqlen_q ≠ seqlen_k), causal with rows that see no key — whole tiles take the tile copier's short path, the
-last ones its general path, and every output goes through the packed-pair epilogue.
+last ones its general path; the ``mma.sync`` forward's O goes out through shared memory (16-byte
+stores), the ``wgmma`` forward's through the packed-pair epilogue.
 
 ``--bulk-dq`` (sm_90): only the grid layout's atomic backward with ``bulk_dq`` (dQ by bulk reductions from shared
 memory, :mod:`nbflash.backward_tc`) at D = 64 and 128 — the atomic default there (128 × 128 and 64 × 128 tiles,
@@ -51,11 +54,17 @@ if "--bulk-dq" in sys.argv[1:]:
     cp.cuda.Device().synchronize()
     print("sanitize_tc: bulk_dq kernels ran")
     sys.exit(0)
-hopper = nbflash._device.compute_capability()[0] == 9 and not mma_backward_only
+mma_forward_only = "--mma-forward" in sys.argv[1:]
+hopper = nbflash._device.compute_capability()[0] == 9 and not (mma_backward_only or mma_forward_only)
 for d in (40, 64, 128, 256):
-    x = cp.random.standard_normal((1, 150, 2, d)).astype(cp.float16)
-    kv = x[:, :131]
+    long_q = cp.random.standard_normal((1, 300, 2, d)).astype(cp.float16)
+    x, kv = long_q[:, :150], long_q[:, :131]
     o, lse = nbflash.attention(x, kv, kv, causal=True, layout="bshd", return_lse=True, backend="tensor_core")
+    # 300 queries over 131 keys: the first query tile (rows 0 … 127 see no key) has no key tile, so its warps
+    # stage O over Q rows whose copies only the step-3 barrier orders
+    nbflash.attention(long_q, kv, kv, causal=True, layout="bshd", backend="tensor_core")
+    if mma_forward_only:
+        continue
     for det in (True, False):
         nbflash.attention_backward(x, x, kv, kv, o, lse, causal=True, layout="bshd", deterministic=det,
                                    backend="tensor_core")

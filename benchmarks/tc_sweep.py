@@ -99,8 +99,10 @@ def wg_config(bm, bn, d, kind, pipe) -> W.WGConfig:
 #: Names accepted by --configs besides tags: choose_config's pick for each head dim and dtype, its split pipeline,
 #: the same with S = Q Kᵀ in straight-line groups of 1 or 2 k-steps (``qk_unroll``), and the wgmma kernel's pick;
 #: ``default-eager``: the pick with O rescaled at every key tile (``lazy_rescale=False``, FlashAttention-2's softmax);
-#: ``wg-default-lazy``: the wgmma pick with the lazy rescale (``lazy_rescale=True``; off by default there).
-NAMED = ("default", "default-split", "default-u1", "default-u2", "wg-default", "default-eager", "wg-default-lazy")
+#: ``wg-default-lazy``: the wgmma pick with the lazy rescale (``lazy_rescale=True``; off by default there);
+#: ``default-direct``: the pick with O stored from the registers (``stage_o=False``), not staged in shared memory.
+NAMED = ("default", "default-split", "default-u1", "default-u2", "wg-default", "default-eager", "wg-default-lazy",
+         "default-direct")
 #: Head dims checked for correctness only (the default configuration).
 CHECK_ONLY = (40, 96, 256)
 
@@ -113,7 +115,8 @@ def tag(cfg) -> str:
     ``-pp``: the two warpgroups take turns; ``-ws3``: a producer warpgroup and 3 K/V stages; ``-wso3``: the same,
     each warpgroup also overlapping its softmax with its own P V; ``-tma``: the producer copies with TMA; ``-r``:
     ``setmaxnreg`` moves registers from the producer to the consumers; ``-eager`` (mma.sync): O rescaled at every
-    key tile; ``-lazy`` (wgmma): O rescaled only when a row's max moves past the slack)."""
+    key tile; ``-direct`` (mma.sync): O stored from the registers, not staged in shared memory; ``-lazy``
+    (wgmma): O rescaled only when a row's max moves past the slack)."""
     if isinstance(cfg, W.WGConfig):
         suffix = {"plain": "-plain", "overlap": "", "pingpong": "-pp", "ws": f"-ws{cfg.stages}",
                   "ws-overlap": f"-wso{cfg.stages}"}[cfg.pipeline]
@@ -123,7 +126,7 @@ def tag(cfg) -> str:
     return (
         f"{cfg.block_m}x{cfg.block_n}{'' if cfg.q_in_regs else 's'}{'/2' if cfg.m_tiles == 2 else ''}"
         f"{'-split' if cfg.kv_pipeline == 'split' else ''}{f'-u{cfg.qk_unroll}' if cfg.qk_unroll else ''}"
-        f"{'' if cfg.lazy_rescale else '-eager'}"
+        f"{'' if cfg.lazy_rescale else '-eager'}{'' if cfg.stage_o else '-direct'}"
     )
 
 
@@ -144,7 +147,8 @@ def select(dims, kinds, wanted=None):
                      "wg-default": W.choose_config(d, kind, simulator=False),
                      "default-eager": dataclasses.replace(default, lazy_rescale=False),
                      "wg-default-lazy": dataclasses.replace(W.choose_config(d, kind, simulator=False),
-                                                            lazy_rescale=True)}
+                                                            lazy_rescale=True),
+                     "default-direct": dataclasses.replace(default, stage_o=False)}
             for cfg in [named[w] for w in NAMED if w in wanted] + [c for c in listed if tag(c) in wanted]:
                 if cfg not in cfgs:
                     cfgs.append(cfg)
@@ -240,39 +244,64 @@ def check(log, cfgs, dtypes):
     return failures
 
 
-def cuda_time_ms(fn, n_sets, reps=30, warmup=3):
+#: GPU cycles of ``torch.cuda._sleep`` queued before each timed call (about 0.5 ms on the H200): the host
+#: launches the call while the GPU still spins, so the events time the kernels back to back, not the host's
+#: launch latency (which differs between SDPA's dispatcher and nbflash's launcher).
+SLEEP_CYCLES = 1_000_000
+
+
+def cuda_times_ms(fn, n_sets, reps=10, warmup=3):
+    """``reps`` CUDA-event timings (ms) of ``fn(i)``, input set i rotating, after ``warmup`` calls."""
     for i in range(warmup):
         fn(i % n_sets)
     torch.cuda.synchronize()
     times = []
     for r in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SLEEP_CYCLES)
         a.record()
         fn(r % n_sets)
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return times
 
 
-def time_row(sets, causal, fl, cfgs):
-    """TFLOP/s of SDPA flash, SDPA cuDNN and each tensor-core configuration on the same input sets."""
-    row = {}
-    for name, be in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
-        try:
-            with sdpa_kernel(be):
-                ms = cuda_time_ms(lambda i: F.scaled_dot_product_attention(*sets[i], is_causal=causal), len(sets))
-            row[name] = fl / ms / 1e9
-        except Exception as e:  # a backend that cannot run here says why
-            row[name] = type(e).__name__
+def cuda_time_ms(fn, n_sets, reps=30, warmup=3):
+    """The median of :func:`cuda_times_ms`."""
+    return statistics.median(cuda_times_ms(fn, n_sets, reps, warmup))
+
+
+def time_row(sets, causal, fl, cfgs, rounds=3, reps=10):
+    """TFLOP/s of SDPA flash, SDPA cuDNN and each tensor-core configuration on the same input sets.
+
+    The providers take turns: ``rounds`` rounds of ``reps`` calls each, so a drift of the GPU's clock or
+    temperature during the row falls on all of them alike; each figure is the median of its
+    ``rounds · reps`` timings.
+    """
     b, h, n, d = sets[0][0].shape
+    calls = {}
+    for name, be in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def sdpa(i, be=be):
+            with sdpa_kernel(be):
+                return F.scaled_dot_product_attention(*sets[i], is_causal=causal)
+        calls[name] = sdpa
     outs = [(torch.empty_like(s[0]), torch.empty(b, h, n, device="cuda")) for s in sets]
     cargs = [tuple(as_cupy(x) for x in (*s, *o)) for s, o in zip(sets, outs, strict=True)]
     for cfg in cfgs:
         launch = launcher(cfg)
-        ms = cuda_time_ms(lambda i, cfg=cfg, launch=launch: launch(cfg, *cargs[i], 1 / math.sqrt(d), causal), len(sets))
-        row[f"nb-{tag(cfg)}"] = fl / ms / 1e9
-    return row
+        calls[f"nb-{tag(cfg)}"] = lambda i, cfg=cfg, launch=launch: launch(cfg, *cargs[i], 1 / math.sqrt(d), causal)
+    samples = {name: [] for name in calls}
+    failed = {}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            if name in failed:
+                continue
+            try:
+                samples[name] += cuda_times_ms(fn, len(sets), reps)
+            except Exception as e:  # a backend that cannot run here says why
+                failed[name] = type(e).__name__
+    return {name: failed.get(name) or fl / statistics.median(samples[name]) / 1e9 for name in calls}
 
 
 def main():

@@ -379,6 +379,55 @@ def make_padded_offset(pitch: int):
     return device_function(padded_offset)
 
 
+def make_tc_tile_storer(rows: int, lanes: int, head_dim: int, src_offset):
+    """``store(smem, offset, dst, b, h, start, seqlen, lane)``: rows ``[start, start + rows)`` of ``dst[b, h]``
+    (16-bit elements) from a shared tile, by ``lanes`` lanes of one warp — the reverse of
+    :func:`make_tc_tile_copier`, for an output tile staged in shared memory.
+
+    Each 16-byte chunk of data (``head_dim / 8`` per row; the head-dim padding
+    of the shared row is not written) is one ``ld.shared.v4`` and one
+    ``st.global.v4``; consecutive lanes take consecutive chunks, so a row of
+    128 elements is 256 contiguous bytes written by 16 lanes in one request,
+    every 32-byte sector whole.  Rows at or past ``seqlen`` are skipped.
+    ``src_offset(offset, r, chunk)`` places chunk ``chunk`` of tile row ``r``
+    in shared memory (as for the copier).  When ``lanes`` is a multiple of the
+    chunks per row, a lane stores the same chunk column of rows ``lane //
+    chunks + it · lanes / chunks``, from one global address plus row strides.
+    ``dst`` must have its rows contiguous along D and 16-byte aligned (the
+    tensor-core kernels' :func:`~nbflash._validate.tile_rows_problem` rule).
+    """
+    DATA = head_dim // 8  # chunks that hold data
+    ITERS = -(-rows * DATA // lanes)
+    EXACT = rows * DATA % lanes == 0
+    SAME_CHUNK = lanes % DATA == 0
+    u64, i64 = numba.uint64, numba.int64
+    U_DATA, U_LANES, U_TOTAL = (np.uint64(x) for x in (DATA, lanes, rows * DATA))
+    U_ROW_STEP, I_ROW_STEP = np.uint64(lanes // DATA), np.int64(lanes // DATA)
+
+    def store_tile(smem, offset, dst, b, h, start, seqlen, lane):
+        if SAME_CHUNK:
+            r0 = u64(lane) // U_DATA
+            chunk = u64(lane) % U_DATA
+            address = I.global_address(dst, (b, h, u64(start) + r0, chunk * u64(8)))
+            step = i64(dst.strides[2]) * I_ROW_STEP  # bytes from one of the lane's rows to its next
+            for it in range(ITERS):
+                r = r0 + u64(it) * U_ROW_STEP
+                if (EXACT or r < u64(rows)) and u64(start) + r < u64(seqlen):
+                    w0, w1, w2, w3 = I.ld_shared_v4_b32(smem, src_offset(offset, r, chunk))
+                    I.st_global_v4_b32(address, w0, w1, w2, w3)
+                address += step
+        else:
+            for it in range(ITERS):
+                c = u64(lane) + u64(it) * U_LANES
+                r = c // U_DATA
+                chunk = c % U_DATA
+                if (EXACT or c < U_TOTAL) and u64(start) + r < u64(seqlen):
+                    w0, w1, w2, w3 = I.ld_shared_v4_b32(smem, src_offset(offset, r, chunk))
+                    I.st_global_v4_b32(I.global_address(dst, (b, h, u64(start) + r, chunk * u64(8))), w0, w1, w2, w3)
+
+    return device_function(store_tile)
+
+
 def async_copy_ok(cfg: TileConfig, *arrays, names=("q", "k", "v")) -> tuple[bool, str]:
     """Can ``cfg`` with ``async_copy`` read these arrays (canonical views or descriptors)?  ``(ok, reason)``.
 

@@ -346,8 +346,9 @@ def attention_backward(
             with steps 0 and 2' moving 16 bytes per load and store (about 295 µs less per call at
             batch·N = 16k, heads·D = 2048) the atomic default measured 159–314 TFLOP/s,
             0.96–1.10× SDPA's FlashAttention-2 backward at N = 512–16k, D = 64 and 128, bf16
-            and fp16 (``bwd-kernels-NVIDIA-H200-2026-12-03-wide*.json``; the deterministic
-            route was not timed again);
+            and fp16 (``bwd-kernels-NVIDIA-H200-2026-12-03-wide*.json``), 0.95–1.07× in
+            ``bench.py``'s run of every pair (``NVIDIA-H200-2026-12-03-tc.json``); the deterministic
+            route 145–225 (``bwd-kernels-NVIDIA-H200-2026-12-03-routes.json``, N = 1k–16k);
             at D = 256 97–167 against 79–118
             (``tc-backward-NVIDIA-H200-2026-12-02-wg256.json``);
             *wgmma* (Hopper): deterministic — the

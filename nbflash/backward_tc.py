@@ -152,7 +152,8 @@ D = 128.  With those bulk reductions issued between the dV and dK products (``dq
 at D = 128 and 0.82–0.97× at D = 64 — the atomic default on sm_90.  With steps 0 and 2' moving 16 bytes per load
 and store (they took 418 µs of every call at batch·N = 16k, heads·D = 2048, now 122;
 ``bwd-kernels-NVIDIA-H200-2026-12-03-*.json``, per kernel by CUPTI): 0.96–1.10× SDPA's FlashAttention-2 backward
-at N = 512–16k, D = 64 and 128, bf16 and fp16; the dK/dV kernel alone 0.81–1.01× FlashAttention-2's.
+at N = 512–16k, D = 64 and 128, bf16 and fp16; the dK/dV kernel alone 0.81–1.01× FlashAttention-2's.  In
+``bench.py``'s run of every (dtype, D, N, causal) pair (``NVIDIA-H200-2026-12-03-tc.json``): 0.95–1.07×.
 :func:`nbflash.attention_backward` runs it for float16/bfloat16 (``backend=``).
 """
 

@@ -61,7 +61,14 @@ Both have two barriers per key tile.
       tile j + 2 is copied into them.  split: none needed (the barrier of
       step a of tile j + 1 comes before V_{j+1} is copied).
 
-3. ``O_i = acc / l_i``, ``lse_i = m_i + log l_i`` written once.
+3. ``O_i = acc / l_i``, ``lse_i = m_i + log l_i`` written once.  With
+   ``TCConfig.stage_o`` (the default; FlashAttention-2's epilogue) each warp
+   writes its normalised rows, packed to 16 bits, over its own rows of the Q
+   tile in shared memory (no other warp reads them: a warp barrier, not a
+   block one), then stores them as 16-byte chunks, each row's chunks from
+   consecutive lanes (:func:`nbflash._tiles.make_tc_tile_storer`): whole
+   32-byte sectors, 16 ``st.global.v4`` per thread at D = 128 where the
+   register epilogue issues 64 4-byte stores, each half a sector.
 
 Constraints (:func:`can_implement`): ``D`` a multiple of 8 up to 256 (padded
 to a multiple of 16 in shared memory, the padding zero-filled by ``cp.async``
@@ -78,8 +85,8 @@ eight row addresses fall in different banks::
 
 Tile copies and the epilogue cost few instructions around the ``mma``: a
 whole K/V tile is copied from one global address per tile plus row strides
-(:func:`nbflash._tiles.make_tc_tile_copier`), and each pair of outputs is one
-packed 32-bit store from a row address computed once.
+(:func:`nbflash._tiles.make_tc_tile_copier`), and O is stored back the same
+way (one address per warp plus row strides).
 
 On the H200 (``benchmarks/results/tc-forward-*``, ``docs/performance.md``; the
 split pipeline, d601198): 0.92–1.02× FlashAttention-2 at D = 64 and 0.86–0.94×
@@ -87,6 +94,10 @@ at D = 128 for N = 1k … 16k, bf16 and fp16, causal and not.  With the lazy
 rescale and k-step 0 peeled (``tc-forward-NVIDIA-H200-2026-12-03-lazy2.json``):
 0.96–1.03× at D = 64 and 0.91–1.12× at D = 128, within run-to-run noise
 (±3 %) of the same run's FlashAttention-2-style softmax (0.95–1.03, 0.87–1.12).
+With O staged in shared memory (``benchmarks/results/NVIDIA-H200-2026-12-03-tc.json``,
+``bench.py``: the GPU busy while the host launches, median of 30–100 calls,
+p10–p90 within 1 %): 0.98–1.13× at D = 64 and 0.95–0.96× (non-causal) /
+0.96–1.07× (causal) at D = 128, N = 512 … 16k, bf16 and fp16.
 """
 
 from __future__ import annotations
@@ -94,10 +105,22 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from . import intrinsics as I
-from ._device import SIMULATOR, any_lane, cuda, device_function, kernel, launch, max_shared_per_block, numba, shfl_xor
-from ._tiles import LN2, LOG2E, make_padded_offset, make_tc_tile_copier
+from ._device import (
+    SIMULATOR,
+    any_lane,
+    cuda,
+    device_function,
+    kernel,
+    launch,
+    max_shared_per_block,
+    numba,
+    shfl_xor,
+    syncwarp,
+)
+from ._tiles import LN2, LOG2E, make_padded_offset, make_tc_tile_copier, make_tc_tile_storer
 from ._validate import tile_rows_problem
 from .masking import d_key_range, d_row_key_end, d_tile_needs_mask
 
@@ -125,6 +148,9 @@ class TCConfig:
     ``kv_pipeline`` schedules the K/V copies (see the module docstring):
     ``"double"`` buffers both, ``"split"`` is FlashAttention-2's single K and
     single V buffer loaded as two ``cp.async`` groups (less shared memory).
+    ``stage_o`` writes O through shared memory by 16-byte stores (step 3 of the
+    module docstring); without it each pair of outputs is one 4-byte store
+    from the registers, as the wgmma forward does.
     """
 
     block_m: int  # query rows per block: 16 per warp
@@ -136,6 +162,7 @@ class TCConfig:
     kv_pipeline: str = "double"  # "double": 2 K and 2 V buffers; "split": 1 each, K and V separate groups
     qk_unroll: int = 0  # > 0: S = Q Kᵀ as straight-line groups of this many k-steps (0: one loop NVVM may keep)
     lazy_rescale: bool = True  # O rescaled only when a row's max moves by > 2^8 (False: every tile, as FA2)
+    stage_o: bool = True  # O through the warp's Q rows in shared memory, 16-byte stores (False: 4-byte, from registers)
 
     def __post_init__(self):
         if self.m_tiles not in (1, 2):
@@ -204,22 +231,41 @@ def shared_bytes(cfg: TCConfig) -> int:
 RESCALE_SLACK_LOG2 = 8.0
 
 
+class FragmentSteps(NamedTuple):
+    """The device functions of :func:`fragment_steps` (each documented there, in its own docstring)."""
+
+    init_rows: object
+    mask_scores: object
+    online_softmax: object
+    p_frags: object
+    write_rows: object
+    softmax_rows: object
+    rescale_rows: object
+    move_references: object
+    exponentiate: object
+    finish_rows: object
+
+
 @functools.cache
 def fragment_steps(n_tiles: int, d_tiles: int, head_dim: int, input_kind: str, lazy_rescale: bool = True):
     """The per-row steps of a 16-row m-tile held in the ``mma.m16n8`` accumulator layout, as device functions.
 
-    ``(init_rows, mask_scores, online_softmax, p_frags, write_rows, softmax_rows, rescale_rows, move_references,
-    exponentiate)`` for S
-    tiles of ``n_tiles`` 8-key column tiles and O tiles of ``d_tiles`` 8-wide
-    column tiles: register arrays ``S[n_tiles, 4]``, ``acc[d_tiles, 4]`` where
-    value i of tile n is row g + 8(i >> 1), column 8n + 2t + (i & 1) (lane
-    4g + t).  The wgmma accumulators of :mod:`nbflash.forward_wgmma` have this
-    layout in every warp too, so both tensor-core forwards run the same
-    softmax, masking and epilogue.  ``online_softmax`` is ``move_references``
-    (new row maxima, rescale factors), ``rescale_rows`` and ``exponentiate``
-    (P and the row sums); ``softmax_rows`` is the first and the last, for a
-    kernel whose O accumulators are still being written by an asynchronous
-    product and that calls ``rescale_rows`` later.
+    A :class:`FragmentSteps` (``init_rows``, ``mask_scores``, ``online_softmax``,
+    ``p_frags``, ``write_rows``, ``softmax_rows``, ``rescale_rows``,
+    ``move_references``, ``exponentiate``, ``finish_rows``) for S tiles of
+    ``n_tiles`` 8-key column tiles and O tiles of ``d_tiles`` 8-wide column
+    tiles: register arrays ``S[n_tiles, 4]``, ``acc[d_tiles, 4]`` where value
+    i of tile n is row g + 8(i >> 1), column 8n + 2t + (i & 1) (lane 4g + t).
+    The wgmma accumulators of :mod:`nbflash.forward_wgmma` have this layout in
+    every warp too, so both tensor-core forwards run the same softmax, masking
+    and epilogue.  ``online_softmax`` is ``move_references`` (new row maxima,
+    rescale factors), ``rescale_rows`` and ``exponentiate`` (P and the row
+    sums); ``softmax_rows`` is the first and the last, for a kernel whose O
+    accumulators are still being written by an asynchronous product and that
+    calls ``rescale_rows`` later.  ``write_rows`` is ``finish_rows`` (O = acc
+    / l in the registers, lse written) and one 32-bit store per pair of
+    outputs; a kernel that stages O in shared memory calls ``finish_rows``
+    and stores the tile itself.
 
     ``lazy_rescale`` (the default): a row's reference max moves only when a
     tile's max passes it by more than :data:`RESCALE_SLACK_LOG2`, and
@@ -321,32 +367,44 @@ def fragment_steps(n_tiles: int, d_tiles: int, head_dim: int, input_kind: str, l
         P[slot, 2] = pack(S[2 * kk + 1, 0], S[2 * kk + 1, 1])  # row g,     keys 8 + 2t, 8 + 2t + 1
         P[slot, 3] = pack(S[2 * kk + 1, 2], S[2 * kk + 1, 3])  # row g + 8, keys 8 + 2t, 8 + 2t + 1
 
-    def write_rows(o, lse, acc, m_i, l_i, b, h, first_row, seqlen_q, g, t):
-        """O = acc / l, lse = m + log l for rows first_row + g, + g + 8 (head-dim padding not written)."""
+    def finish_rows(acc, m_i, l_i, lse, b, h, first_row, seqlen_q, g, t):
+        """O = acc / l in place (still fp32, in registers), and lse = m + log l written, for rows first_row + g
+        and + g + 8 (rows at or past seqlen_q: normalised, not written)."""
         for r in range(2):
             row = first_row + g + 8 * r
             l_row = l_i[r]
-            l_row += shfl_xor(FULL, l_row, 1)
+            l_row += shfl_xor(FULL, l_row, 1)  # the row's quad: lanes 4g .. 4g + 3
             l_row += shfl_xor(FULL, l_row, 2)
+            inv_l = ONE / l_row if l_row > 0 else ZERO
+            for dt in range(D_TILES):
+                acc[dt, 2 * r] *= inv_l
+                acc[dt, 2 * r + 1] *= inv_l
+            if t == 0 and row < seqlen_q:
+                lse[b, h, row] = m_i[r] * LN2 + math.log(l_row) if l_row > 0 else NEG_INF
+
+    def write_rows(o, lse, acc, m_i, l_i, b, h, first_row, seqlen_q, g, t):
+        """O = acc / l, lse = m + log l for rows first_row + g, + g + 8, O stored from the registers (head-dim
+        padding not written)."""
+        finish_rows(acc, m_i, l_i, lse, b, h, first_row, seqlen_q, g, t)
+        for r in range(2):
+            row = first_row + g + 8 * r
             if row < seqlen_q:
-                inv_l = numba.float32(1) / l_row if l_row > 0 else ZERO
                 # Each pair of adjacent outputs (columns 8·dt + 2t, + 1) is one 32-bit store, at a constant
                 # offset from the thread's first column of the row.
                 address = I.global_address(o, (b, h, row, 2 * t))
                 for dt in range(D_TILES):
                     if 8 * dt < D:
-                        I.st_global_b32(address + 16 * dt, pack(acc[dt, 2 * r] * inv_l, acc[dt, 2 * r + 1] * inv_l))
-                if t == 0:
-                    lse[b, h, row] = m_i[r] * LN2 + math.log(l_row) if l_row > 0 else NEG_INF
+                        I.st_global_b32(address + 16 * dt, pack(acc[dt, 2 * r], acc[dt, 2 * r + 1]))
 
-    # (online_softmax and softmax_rows find their parts through their closures: the compiled versions below.)
-    move_references, exponentiate = device_function(move_references), device_function(exponentiate)
+    # (online_softmax, softmax_rows and write_rows find their parts through their closures: the compiled versions.)
+    move_references, exponentiate, finish_rows = (device_function(f) for f in (move_references, exponentiate,
+                                                                                finish_rows))
     init_rows, mask_scores, online_softmax, p_frags, write_rows, softmax_rows, rescale_rows = (
         device_function(f)
         for f in (init_rows, mask_scores, online_softmax, p_frags, write_rows, softmax_rows, rescale_rows)
     )
-    return (init_rows, mask_scores, online_softmax, p_frags, write_rows, softmax_rows, rescale_rows, move_references,
-            exponentiate)
+    return FragmentSteps(init_rows, mask_scores, online_softmax, p_frags, write_rows, softmax_rows, rescale_rows,
+                         move_references, exponentiate, finish_rows)
 
 
 @functools.cache
@@ -452,9 +510,29 @@ def forward_tc_kernel(cfg: TCConfig):
         return device_function(qk_steps)
 
     qk_all = qk_steps_from(0)
-    init_rows, mask_scores, _, p_frags, write_rows, _, rescale_rows, move_references, exponentiate = fragment_steps(
-        N_TILES, D_TILES, D, cfg.input_kind, cfg.lazy_rescale
-    )
+    steps = fragment_steps(N_TILES, D_TILES, D, cfg.input_kind, cfg.lazy_rescale)
+    init_rows, mask_scores, p_frags, write_rows = steps.init_rows, steps.mask_scores, steps.p_frags, steps.write_rows
+    rescale_rows, move_references, exponentiate = steps.rescale_rows, steps.move_references, steps.exponentiate
+    finish_rows = steps.finish_rows
+
+    # Step 3 (stage_o): each warp writes its normalised O rows into its own rows of the Q tile, which no other
+    # warp reads, then stores them as 16-byte chunks (FlashAttention-2's epilogue, without its block barrier).
+    STAGE_O = cfg.stage_o
+    PITCH_WORDS = PITCH // 2  # 32-bit words per shared row
+    pack = I.pack_f16x2 if cfg.input_kind == "float16" else I.pack_bf16x2
+    store_o = make_tc_tile_storer(WARP_ROWS, 32, D, shared_row)
+
+    def stage_rows(smem32, word_row0, acc, g, t):
+        """Rows g and g + 8 of one m-tile's O (normalised) into shared memory from word ``word_row0`` on, one
+        32-bit store per pair of outputs (columns 8·dt + 2t, + 1).  The 32 lanes of a store hit 32 different
+        banks: lane 4g + t writes word g·PITCH/2 + t (+ 4·dt), and PITCH/2 is an odd multiple of 4."""
+        for r in range(2):
+            base = word_row0 + (g + 8 * r) * PITCH_WORDS + t
+            for dt in range(D_TILES):
+                if 8 * dt < D:
+                    smem32[base + 4 * dt] = pack(acc[dt, 2 * r], acc[dt, 2 * r + 1])
+
+    stage_rows = device_function(stage_rows)
 
     @kernel(fastmath=True)
     def flash_forward_tc(q, k, v, o, lse, qk_scale_log2, causal):
@@ -475,6 +553,7 @@ def forward_tc_kernel(cfg: TCConfig):
         g = lane // 4  # this thread's rows of every fragment: g and g + 8 ...
         t = lane % 4  # ... and columns 2t, 2t + 1 of every 8-column tile
         smem = cuda.shared.array(0, numba.uint16, alignment=SMEM_ALIGN)
+        smem32 = cuda.shared.array(0, numba.uint32, alignment=SMEM_ALIGN)  # the same memory, as 32-bit words
         row0 = q_start + WARP_ROWS * warp  # the warp's first row; its second m-tile starts 16 below
 
         qf0 = cuda.local.array((QF_STEPS, 4), numba.uint32)  # Q A-fragments
@@ -585,9 +664,27 @@ def forward_tc_kernel(cfg: TCConfig):
         I.cp_async_wait_all()  # nothing left in flight (only Q's group when no key tile was visible)
 
         # Step 3: O_i = acc / l_i, lse_i = m_i + log l_i.
-        write_rows(o, lse, acc0, m0, l0, b, h, row0, seqlen_q, g, t)
-        if TWO:
-            write_rows(o, lse, acc1, m1, l1, b, h, row0 + 16, seqlen_q, g, t)
+        if not STAGE_O:
+            write_rows(o, lse, acc0, m0, l0, b, h, row0, seqlen_q, g, t)
+            if TWO:
+                write_rows(o, lse, acc1, m1, l1, b, h, row0 + 16, seqlen_q, g, t)
+        else:
+            finish_rows(acc0, m0, l0, lse, b, h, row0, seqlen_q, g, t)
+            if TWO:
+                finish_rows(acc1, m1, l1, lse, b, h, row0 + 16, seqlen_q, g, t)
+            if n_tiles == 0:
+                # (uniform in the block) Q's copies are waited for only here: every thread's must have landed
+                # before a warp overwrites its rows, and another thread may have copied them.
+                cuda.syncthreads()
+            # Every lane of the warp has finished its last ldmatrix of the warp's Q rows (step 2b / 2c) before
+            # any lane overwrites them.
+            syncwarp()
+            q_rows = WARP_ROWS * warp * PITCH  # element offset of the warp's rows in the Q tile
+            stage_rows(smem32, q_rows // 2, acc0, g, t)
+            if TWO:
+                stage_rows(smem32, (q_rows + 16 * PITCH) // 2, acc1, g, t)
+            syncwarp()  # every lane's staged pairs are visible before the warp reads whole chunks of them
+            store_o(smem, q_rows, o, b, h, row0, seqlen_q, lane)
 
     return flash_forward_tc
 
@@ -619,6 +716,12 @@ def choose_config(
       / 249 at D = 128); the two-m-tile 128 × 32 is within 2 %.
     * D > 128: 64 × 32 tiles with Q re-read from shared memory, so that S, P
       and O (128 registers at D = 256) still fit.
+
+    O leaves through shared memory by 16-byte stores (``stage_o``) at every
+    head dim: in one run (``tc-forward-*-stage-o.json``, N = 1k … 16k, bf16 and
+    fp16, causal and not) the geometric mean ratio to SDPA flash was 1.012
+    against 1.002 with the register epilogue at D = 64 and 0.957 against 0.948
+    at D = 128 (+2 % below N = 8k, −1 % from 8k on).
 
     At D = 64 and D = 128 the K/V copies follow FlashAttention-2's split
     pipeline (``kv_pipeline="split"``: one K and one V buffer, 36 KB instead of

@@ -371,7 +371,9 @@ def forward_wgmma_kernel(cfg: WGConfig):
     HANDSHAKE = CONSUMERS + PRODUCER_THREADS  # ws: both sides count at FULL and EMPTY
     KV_STRIDE = BLOCK_N * D_PAD  # elements from one K (or V) buffer to the other
     steps = fragment_steps(N_TILES, D_TILES, D, cfg.input_kind, cfg.lazy_rescale)
-    init_rows, mask_scores, online_softmax, p_frags, write_rows, softmax_rows, rescale_rows, _, _ = steps
+    init_rows, mask_scores, online_softmax = steps.init_rows, steps.mask_scores, steps.online_softmax
+    p_frags, write_rows, softmax_rows = steps.p_frags, steps.write_rows, steps.softmax_rows
+    rescale_rows = steps.rescale_rows
 
     LOAD_THREADS = PRODUCER_THREADS if WS else THREADS  # ws: only the producer warpgroup copies
     TMA = cfg.copies == "tma"  # ws: the producer's first thread copies whole boxes, mbarriers count the bytes

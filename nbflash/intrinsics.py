@@ -27,9 +27,10 @@ A 32-bit fragment register holds two 16-bit elements; "half 0" is the low 16
 bits and holds the element with the smaller PTX index (a0 of the pair a0, a1).
 
 Minimum compute capability: ``mma.m16n8k16`` (f16, bf16), ``cp.async`` and the
-``cvt`` packs need sm_80; ``ldmatrix`` sm_75; ``ex2.approx``, ``red.global.add.f32``
-and the 16-byte global loads and stores (``ld/st.global.v4``, for the backward's
-memory-bound steps 0 and 2') any; the vector reductions ``red.global.add.v2.f32`` /
+``cvt`` packs need sm_80; ``ldmatrix`` sm_75; ``ex2.approx``, ``red.global.add.f32``,
+the 16-byte global loads and stores (``ld/st.global.v4``, for the backward's
+memory-bound steps 0 and 2') and the 16-byte shared loads (``ld.shared.v4``, the
+forward's epilogue) any; the vector reductions ``red.global.add.v2.f32`` /
 ``.v4.f32`` sm_90 (PTX ISA 8.1; ``red_add_f32x4`` falls back to four scalar ``red``
 on older GPUs).
 """
@@ -63,6 +64,7 @@ __all__ = [
     "global_address",
     "ld_global_v4_b32",
     "ld_global_v4_f32",
+    "ld_shared_v4_b32",
     "ldmatrix_x4",
     "ldmatrix_x4_a_address",
     "ldmatrix_x4_bt_address",
@@ -375,6 +377,20 @@ def _sim_ldmatrix_x4_trans(smem, offset):
     registers (r0, r1) are B for columns 0..7 and (r2, r3) for columns 8..15.
     """
     return _sim_ldmatrix(smem, offset, True)
+
+
+def _sim_ld_shared_v4_b32(smem, offset):
+    """Load 16 bytes of shared memory as four 32-bit words: ``(w0, w1, w2, w3)``, uint32, ``w0`` lowest.
+
+    PTX: ``ld.shared.v4.b32 {w0, w1, w2, w3}, [addr]``; any compute capability.  ``smem`` is a shared
+    array and ``offset`` an element index into it, 16-byte aligned (as for :func:`ldmatrix_x4`).  One
+    thread's own load, not a warp-wide one: the tensor-core forward reads its output tile back with these,
+    8 elements of 16 bits per thread and request, for one :func:`st_global_v4_b32` each.  Eight 16-bit
+    elements come as four words, the lower-addressed element of each pair in the low half.  Simulator: the
+    array's elements there, alignment checked.
+    """
+    mem, off = _words16(smem, offset)
+    return tuple(np.uint32(mem[off + 2 * w]) | (np.uint32(mem[off + 2 * w + 1]) << np.uint32(16)) for w in range(4))
 
 
 #: Simulator only.  ``False`` (the default): a ``cp.async`` copy happens at once.  ``True``: it happens
@@ -909,10 +925,15 @@ def _make_gpu_mma(kind):
     return intrinsic(mma)
 
 
-def _make_gpu_ldmatrix(trans):
-    ptx = f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 {{$0, $1, $2, $3}}, [$4];"
+def _make_gpu_shared_x4(name, ptx, warp_wide):
+    """An intrinsic ``name(smem, offset) -> 4 × uint32`` running ``ptx`` (``$0 … $3`` the words, ``$4`` the address)
+    on the ``.shared`` address of element ``offset`` of a shared array: ldmatrix x4, and ld.shared.v4.
 
-    def ldmatrix(typingctx, smem, offset):
+    Side effects and a memory clobber keep it after the stores and barriers before it: the words were written
+    by other threads, which the compiler cannot see.  ``warp_wide``: a ``.sync.aligned`` instruction (convergent).
+    """
+
+    def load(typingctx, smem, offset):
         if not (_is_flat_array(smem) and _is_int(offset)):
             return None
         sig = types.UniTuple(types.uint32, 4)(smem, offset)
@@ -920,13 +941,18 @@ def _make_gpu_ldmatrix(trans):
         def codegen(context, builder, sig, args):
             addr = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             res = _asm(builder, ir.LiteralStructType([_I32] * 4), [_I32], ptx, "=r,=r,=r,=r,r,~{memory}", [addr],
-                       side_effect=True, warp_wide=True)
+                       side_effect=True, warp_wide=warp_wide)
             return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(4)])
 
         return sig, codegen
 
-    ldmatrix.__name__ = "ldmatrix_x4_trans" if trans else "ldmatrix_x4"
-    return intrinsic(ldmatrix)
+    load.__name__ = load.__qualname__ = name
+    return intrinsic(load)
+
+
+def _make_gpu_ldmatrix(trans):
+    ptx = f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 {{$0, $1, $2, $3}}, [$4];"
+    return _make_gpu_shared_x4("ldmatrix_x4_trans" if trans else "ldmatrix_x4", ptx, warp_wide=True)
 
 
 def _emit_cp_async_zfill(builder, shared_address, global_address, src_bytes):
@@ -1220,6 +1246,10 @@ mma_m16n8k16_f16 = _public(_sim_mma_m16n8k16_f16, lambda: _make_gpu_mma("f16"))
 mma_m16n8k16_bf16 = _public(_sim_mma_m16n8k16_bf16, lambda: _make_gpu_mma("bf16"))
 ldmatrix_x4 = _public(_sim_ldmatrix_x4, lambda: _make_gpu_ldmatrix(trans=False))
 ldmatrix_x4_trans = _public(_sim_ldmatrix_x4_trans, lambda: _make_gpu_ldmatrix(trans=True))
+ld_shared_v4_b32 = _public(
+    _sim_ld_shared_v4_b32,
+    lambda: _make_gpu_shared_x4("ld_shared_v4_b32", "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", warp_wide=False),
+)
 cp_async_16 = _public(_sim_cp_async_16, lambda: _gpu_cp_async_16)
 cp_async_16_at = _public(_sim_cp_async_16_at, lambda: _gpu_cp_async_16_at)
 cp_async_4 = _public(_sim_cp_async_4, lambda: _gpu_cp_async_4)

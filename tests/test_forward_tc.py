@@ -27,9 +27,9 @@ import pytest
 
 from nbflash import forward_tc as F
 from nbflash import intrinsics as I
-from nbflash._device import SIMULATOR, cuda, kernel, numba
+from nbflash._device import SIMULATOR, cuda, kernel, numba, syncwarp
 from nbflash._device import launch as launch_kernel
-from nbflash._tiles import make_padded_offset, make_tc_tile_copier
+from nbflash._tiles import make_padded_offset, make_tc_tile_copier, make_tc_tile_storer
 from nbflash.reference import attention_ref, causal_mask
 
 
@@ -67,6 +67,10 @@ def _host(a):
     return a if isinstance(a, np.ndarray) else a.get()
 
 
+#: A NaN of each input kind (float16 NaN; bfloat16 NaN as its uint16 bits), to poison outputs before a launch.
+NAN_BITS = {"float16": np.float16(np.nan), "bfloat16": np.uint16(0x7FC0)}
+
+
 def run_and_check(xp, rng, n_q, n_k, d, kind, causal, cfg=None, layout="bhsd", batch=1, heads=2, launch=None,
                   key_growth=0.0):
     """Run the kernel on ``xp`` arrays (NumPy in the simulator, CuPy on a GPU) and check o and lse.
@@ -83,9 +87,9 @@ def run_and_check(xp, rng, n_q, n_k, d, kind, causal, cfg=None, layout="bhsd", b
     x_k = x_k * (growth if layout == "bhsd" else growth[:, None])
     (q, qv), (k, kv), (v, vv) = (to_kind(x, kind) for x in (x_q, x_k, x_v))
     q, k, v = (xp.asarray(x) for x in (q, k, v))
-    o = xp.zeros_like(q)
+    o = xp.full(q.shape, NAN_BITS[kind], dtype=q.dtype)  # poisoned: every element must be written
     canon = (lambda x: x) if layout == "bhsd" else (lambda x: x.transpose(0, 2, 1, 3))
-    lse = xp.zeros((batch, heads, n_q), dtype=np.float32)
+    lse = xp.full((batch, heads, n_q), np.nan, dtype=np.float32)
     scale = 1 / math.sqrt(d)
     launch(cfg, canon(q), canon(k), canon(v), canon(o), lse, scale, causal)
 
@@ -142,6 +146,14 @@ def test_forward_tc_two_m_tiles_per_warp(xp, rng, kind, kv_pipeline):
     """FlashAttention-2's warp layout: 2 warps × 2 m-tiles of 16 rows, every K/V fragment feeding both."""
     cfg = F.TCConfig(64, 16, 32, kind, m_tiles=2, kv_pipeline=kv_pipeline)
     run_and_check(xp, rng, 70, 37, 32, kind, True, cfg=cfg, heads=1)
+
+
+@pytest.mark.parametrize("m_tiles,d", [(1, 40), (2, 64)])
+def test_forward_tc_stores_o_from_registers(xp, rng, m_tiles, d):
+    """``stage_o=False``: O leaves the registers by one 32-bit store per pair of outputs (the wgmma forward's
+    epilogue), instead of through shared memory by 16-byte chunks (the default, which every other test runs)."""
+    cfg = F.TCConfig(32 * m_tiles, 16, d, "float16", m_tiles=m_tiles, kv_pipeline="split", stage_o=False)
+    run_and_check(xp, rng, 45, 19, d, "float16", True, cfg=cfg, heads=1)
 
 
 @pytest.mark.parametrize("kind,kv_pipeline", KIND_PIPELINES)
@@ -235,6 +247,43 @@ def test_tc_tile_copier_whole_and_ragged_tiles(xp, rng, head_dim, chunks, thread
     n = max(0, min(rows, seqlen - start))
     want[:n, :head_dim] = data[1, start : start + n, 2]
     np.testing.assert_array_equal(out, want)
+
+
+@functools.cache
+def storer_kernel(rows, head_dim, pitch):
+    """Fill a padded shared tile from ``tile`` (padding included), then store rows [start, start + rows) of
+    dst[b, h] from it with the tensor-core tile storer, by one warp."""
+    store = make_tc_tile_storer(rows, 32, head_dim, make_padded_offset(pitch))
+    size = rows * pitch
+
+    @kernel
+    def store_tile(tile, dst, b, h, start):
+        lane = cuda.threadIdx.x
+        smem = cuda.shared.array(size, numba.uint16, alignment=SMEM_ALIGN)  # 16-byte aligned rows
+        for e in range(lane, size, 32):
+            smem[e] = tile[e // pitch, e % pitch]
+        syncwarp()  # every lane's part of the tile is visible to the warp
+        store(smem, 0, dst, b, h, start, dst.shape[2], lane)
+
+    return store_tile
+
+
+@pytest.mark.parametrize("head_dim,chunks", [(64, 8), (128, 16), (40, 6), (24, 4)])
+@pytest.mark.parametrize("rows,start,seqlen", [(16, 0, 16), (32, 16, 37), (16, 32, 37), (32, 0, 5)])
+def test_tc_tile_storer_whole_and_ragged_tiles(xp, rng, head_dim, chunks, rows, start, seqlen):
+    """Whole tiles and ragged ones (rows past the end not written), chunks per row dividing the warp's 32 lanes
+    (one address, row strides) or not (D = 40, 24), a strided (bshd) destination; the head-dim padding of the
+    shared rows and every element outside the tile's rows stay untouched."""
+    pitch = 8 * chunks + 8
+    tile = rng.integers(0, 2**16, size=(rows, pitch), dtype=np.uint16)
+    poison = np.uint16(0xAAAA)
+    dst = xp.full((2, seqlen, 3, head_dim), poison, dtype=np.uint16)  # (batch, seq, head, dim)
+    launch_kernel(storer_kernel(rows, head_dim, pitch), 1, 32, 0, 0, xp.asarray(tile), dst.transpose(0, 2, 1, 3),
+                  1, 2, start)
+    want = np.full((2, seqlen, 3, head_dim), poison, dtype=np.uint16)
+    n = max(0, min(rows, seqlen - start))
+    want[1, start : start + n, 2] = tile[:n, :head_dim]
+    np.testing.assert_array_equal(_host(dst), want)
 
 
 def test_split_pipeline_shared_memory():

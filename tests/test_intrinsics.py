@@ -728,6 +728,39 @@ def test_vector_loads_and_stores_reject_misaligned_or_outside():
     assert list(a[0, :8]) == [1, 2, 0, 0, 0, 0, 7, 8]
 
 
+@functools.cache
+def shared_vector_kernel():
+    """Lane l writes element l·8 + e of a 256-element shared buffer (e = 0 … 7, a uint16 each), then reads chunk
+    31 − l (the 16 bytes another lane wrote) by one ld.shared.v4.b32 into row l of ``out``."""
+
+    @kernel
+    def shared_vector(src, out):
+        lane = cuda.threadIdx.x
+        smem = cuda.shared.array(256, numba.uint16, alignment=SMEM_ALIGN)
+        for e in range(8):
+            smem[8 * lane + e] = src[8 * lane + e]
+        cuda.syncthreads()  # every lane's elements are visible before others read them
+        w = I.ld_shared_v4_b32(smem, 8 * (31 - lane))
+        for i in range(4):
+            out[lane, i] = w[i]
+
+    return shared_vector
+
+
+def test_ld_shared_v4_reads_16_bytes_low_half_first(rng):
+    src = rng.integers(0, 2**16, size=256, dtype=np.uint16)
+    out = np.zeros((32, 4), dtype=np.uint32)
+    shared_vector_kernel()[1, 32](src, out)
+    want = src.reshape(32, 4, 2).astype(np.uint32)
+    np.testing.assert_array_equal(out, (want[..., 0] | want[..., 1] << 16)[::-1])
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the simulator's alignment check")
+def test_ld_shared_v4_rejects_a_misaligned_address():
+    with pytest.raises(ValueError, match="aligned"):
+        I.ld_shared_v4_b32(np.zeros(64, dtype=np.uint16), 4)  # 8 bytes in
+
+
 # ----------------------------------------------------------------------------
 # Offline GPU compilation: NVVM → PTX → ptxas (→ SASS), no GPU needed
 # ----------------------------------------------------------------------------
@@ -765,6 +798,7 @@ def compile_targets():
     out.append(("st_global_b32", store_pairs_kernel(), (arr(f32, 2), arr(u16, 4, "A")), ["st.global.b32"]))
     out.append(("vector_copy", vector_copy_kernel(), (arr(u16, 3, "A"), arr(u16, 3, "A"), arr(f32, 2), arr(f32, 2)),
                 ["ld.global.v4.b32", "st.global.v4.b32", "ld.global.v4.f32"]))
+    out.append(("shared_vector", shared_vector_kernel(), (arr(u16, 1), arr(u32, 2)), ["ld.shared.v4.b32"]))
     out.append(("convert", convert_kernel(), (arr(f32, 2), arr(u32, 2), arr(f32, 2), arr(f32, 1)),
                 ["cvt.rn.f16x2.f32", "cvt.rn.bf16x2.f32", "ex2.approx.ftz.f32"]))
     red_sig = (arr(f32, 4, "A"), i64, i64, arr(f32, 3))
@@ -788,6 +822,7 @@ SASS = {
     "cp_async_4": ["LDGSTS.E", "LDGSTS.E.BYPASS.128"],
     "st_global_b32": ["STG.E"],  # a 0-or-16 byte count becomes a predicate, not .ZFILL
     "vector_copy": ["LDG.E.128", "STG.E.128"],
+    "shared_vector": ["LDS.128"],
     "convert": ["F2FP.F16.F32.PACK_AB", "F2FP.BF16.F32.PACK_AB", "MUFU.EX2"],
     "red_scalar": ["REDG.E.ADD.F32.FTZ.RN"],  # a global reduction: no ATOM, no generic-address (QSPC) fallback
     "red_v2": ["REDG.E.ADD.F32x2.FTZ.RN"],
