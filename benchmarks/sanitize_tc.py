@@ -4,6 +4,7 @@
     compute-sanitizer --tool racecheck python benchmarks/sanitize_tc.py --mma-backward   # that backward only
     compute-sanitizer --tool racecheck python benchmarks/sanitize_tc.py --bulk-dq   # the bulk_dq backward only
     compute-sanitizer --tool racecheck python benchmarks/sanitize_tc.py --mma-forward   # that forward only
+    compute-sanitizer --tool racecheck python benchmarks/sanitize_tc.py --wgmma-forward   # the Hopper forward only
 
 The ``mma.sync`` forward and backward (both dQ routes) at head dims 40, 64, 128 and 256 (40: padded to 48
 in shared memory; 256: two 128-column slices per key tile; the forward also with 300 queries, so that a whole
@@ -14,6 +15,11 @@ routes; the forward's producer copies by TMA), the forward that copies with cp.a
 (seqlen_q ≠ seqlen_k), causal with rows that see no key — whole tiles take the tile copier's short path, the
 last ones its general path; the ``mma.sync`` forward's O goes out through shared memory (16-byte
 stores), the ``wgmma`` forward's through the packed-pair epilogue.
+
+``--wgmma-forward`` (sm_90): only the ``wgmma`` forward's TMA picks at D = 64 and 128 (and D = 64's long-sequence
+one), each persistent (one block per multiprocessor) and not, at 2 × 16 heads × 1100 rows (more work chunks than
+multiprocessors, so persistent blocks take several, causal ones in pairs) and at 300 queries over 131 keys (items that
+see no key), causal and not.
 
 ``--bulk-dq`` (sm_90): only the grid layout's atomic backward with ``bulk_dq`` (dQ by bulk reductions from shared
 memory, :mod:`nbflash.backward_tc`) at D = 64 and 128 — the atomic default there (128 × 128 and 64 × 128 tiles,
@@ -53,6 +59,21 @@ if "--bulk-dq" in sys.argv[1:]:
                                                deterministic=False)
     cp.cuda.Device().synchronize()
     print("sanitize_tc: bulk_dq kernels ran")
+    sys.exit(0)
+if "--wgmma-forward" in sys.argv[1:]:
+    for d in (64, 128):
+        for long_keys in (False, True) if d == 64 else (False,):
+            for persistent in (True, False):
+                cfg = forward_wgmma.choose_config(d, "float16", simulator=False, long_keys=long_keys,
+                                                  persistent=persistent)
+                for (b, h, n_q, n_k), causal in [((2, 16, 1100, 1100), False), ((2, 16, 1100, 1100), True),
+                                                 ((1, 4, 300, 131), True)]:
+                    q = cp.random.standard_normal((b, h, n_q, d)).astype(cp.float16)
+                    k, v = (cp.random.standard_normal((b, h, n_k, d)).astype(cp.float16) for _ in range(2))
+                    o, lse = cp.empty_like(q), cp.empty((b, h, n_q), cp.float32)
+                    forward_wgmma.launch_forward_wgmma(cfg, q, k, v, o, lse, d**-0.5, causal)
+    cp.cuda.Device().synchronize()
+    print("sanitize_tc: wgmma forward kernels ran")
     sys.exit(0)
 mma_forward_only = "--mma-forward" in sys.argv[1:]
 hopper = nbflash._device.compute_capability()[0] == 9 and not (mma_backward_only or mma_forward_only)

@@ -77,32 +77,34 @@ WG_CANDIDATES = {
          (128, 128, "ws-overlap:3"), (128, 192, "ws-overlap:3"), (128, 128, "ws:2:tma"), (128, 64, "ws:3:tma"),
          (128, 128, "ws:3:tma"), (128, 128, "ws:2:tma:r"), (128, 128, "ws-overlap:3:tma:r"),
          (128, 192, "ws:2:tma:r"), (128, 192, "ws-overlap:3:tma:r"), (128, 128, "ws-overlap:4:tma:r"),
-         (128, 192, "ws-overlap:4:tma:r")],
+         (128, 192, "ws-overlap:4:tma:r"), (128, 128, "ws:2:tma::p"), (128, 192, "ws-overlap:3:tma:r:p")],
     128: [(128, 128, "plain"), (128, 128, "overlap"), (128, 64, "overlap"), (64, 128, "overlap"),
           (128, 128, "pingpong"), (128, 64, "pingpong"), (128, 128, "ws:2"), (128, 128, "ws:3"), (128, 64, "ws:3"),
           (128, 64, "ws:4"), (128, 192, "ws:2"), (128, 128, "ws-overlap:3"), (128, 128, "ws-overlap:4"),
           (128, 64, "ws-overlap:4"), (128, 128, "ws:2:tma"), (128, 128, "ws:3:tma"), (128, 64, "ws:3:tma"),
           (128, 64, "ws:4:tma"), (128, 192, "ws:2:tma"), (128, 128, "ws-overlap:3:tma"),
-          (128, 128, "ws:2:tma:r"), (128, 128, "ws-overlap:3:tma:r"), (128, 192, "ws:2:tma:r")],
+          (128, 128, "ws:2:tma:r"), (128, 128, "ws-overlap:3:tma:r"), (128, 192, "ws:2:tma:r"),
+          (128, 128, "ws-overlap:3:tma:r:p")],
     256: [(128, 64, "overlap"), (128, 64, "ws:2"), (128, 32, "ws:3")],
 }
 
 
 def wg_config(bm, bn, d, kind, pipe) -> W.WGConfig:
     """A :class:`~nbflash.forward_wgmma.WGConfig` from a candidate (``"ws:3"``: the ws pipeline, 3 stages;
-    ``"ws:3:tma"``: the same with TMA copies; ``"ws:3:tma:r"``: and registers moved by ``setmaxnreg``)."""
-    name, _, rest = pipe.partition(":")
-    stages, _, rest = rest.partition(":")
-    copies, _, regs = rest.partition(":")
+    ``"ws:3:tma"``: the same with TMA copies; ``"ws:3:tma:r"``: and registers moved by ``setmaxnreg``;
+    ``"ws:3:tma:r:p"``: and persistent blocks)."""
+    name, stages, copies, regs, persist = (pipe.split(":") + [""] * 4)[:5]
     return W.WGConfig(bm, bn, d, kind, name, **({"stages": int(stages)} if stages else {}),
-                      **({"copies": copies} if copies else {}), setmaxnreg=regs == "r")
+                      **({"copies": copies} if copies else {}), setmaxnreg=regs == "r", persistent=persist == "p")
 #: Names accepted by --configs besides tags: choose_config's pick for each head dim and dtype, its split pipeline,
 #: the same with S = Q Kᵀ in straight-line groups of 1 or 2 k-steps (``qk_unroll``), and the wgmma kernel's pick;
 #: ``default-eager``: the pick with O rescaled at every key tile (``lazy_rescale=False``, FlashAttention-2's softmax);
 #: ``wg-default-lazy``: the wgmma pick with the lazy rescale (``lazy_rescale=True``; off by default there);
-#: ``default-direct``: the pick with O stored from the registers (``stage_o=False``), not staged in shared memory.
+#: ``default-direct``: the pick with O stored from the registers (``stage_o=False``), not staged in shared memory;
+#: ``wg-default-p`` / ``wg-default-np``: the wgmma pick with persistent blocks / one block per work chunk (for
+#: picks that copy with TMA; others as they are).
 NAMED = ("default", "default-split", "default-u1", "default-u2", "wg-default", "default-eager", "wg-default-lazy",
-         "default-direct")
+         "default-direct", "wg-default-p", "wg-default-np")
 #: Head dims checked for correctness only (the default configuration).
 CHECK_ONLY = (40, 96, 256)
 
@@ -116,18 +118,24 @@ def tag(cfg) -> str:
     each warpgroup also overlapping its softmax with its own P V; ``-tma``: the producer copies with TMA; ``-r``:
     ``setmaxnreg`` moves registers from the producer to the consumers; ``-eager`` (mma.sync): O rescaled at every
     key tile; ``-direct`` (mma.sync): O stored from the registers, not staged in shared memory; ``-lazy``
-    (wgmma): O rescaled only when a row's max moves past the slack)."""
+    (wgmma): O rescaled only when a row's max moves past the slack; ``-p`` (wgmma): persistent blocks)."""
     if isinstance(cfg, W.WGConfig):
         suffix = {"plain": "-plain", "overlap": "", "pingpong": "-pp", "ws": f"-ws{cfg.stages}",
                   "ws-overlap": f"-wso{cfg.stages}"}[cfg.pipeline]
         copies = "-tma" if cfg.copies == "tma" else ""
         lazy = "-lazy" if cfg.lazy_rescale else ""
-        return f"wg{cfg.block_m}x{cfg.block_n}{suffix}{copies}{'-r' if cfg.setmaxnreg else ''}{lazy}"
+        persist = "-p" if cfg.persistent else ""
+        return f"wg{cfg.block_m}x{cfg.block_n}{suffix}{copies}{'-r' if cfg.setmaxnreg else ''}{lazy}{persist}"
     return (
         f"{cfg.block_m}x{cfg.block_n}{'' if cfg.q_in_regs else 's'}{'/2' if cfg.m_tiles == 2 else ''}"
         f"{'-split' if cfg.kv_pipeline == 'split' else ''}{f'-u{cfg.qk_unroll}' if cfg.qk_unroll else ''}"
         f"{'' if cfg.lazy_rescale else '-eager'}{'' if cfg.stage_o else '-direct'}"
     )
+
+
+def persistent(cfg: W.WGConfig, on: bool) -> W.WGConfig:
+    """``cfg`` with persistent blocks on or off, where it can have them (a ws pipeline copying with TMA)."""
+    return dataclasses.replace(cfg, persistent=on) if cfg.warp_specialized and cfg.copies == "tma" else cfg
 
 
 def select(dims, kinds, wanted=None):
@@ -148,7 +156,9 @@ def select(dims, kinds, wanted=None):
                      "default-eager": dataclasses.replace(default, lazy_rescale=False),
                      "wg-default-lazy": dataclasses.replace(W.choose_config(d, kind, simulator=False),
                                                             lazy_rescale=True),
-                     "default-direct": dataclasses.replace(default, stage_o=False)}
+                     "default-direct": dataclasses.replace(default, stage_o=False),
+                     "wg-default-p": persistent(W.choose_config(d, kind, simulator=False), True),
+                     "wg-default-np": persistent(W.choose_config(d, kind, simulator=False), False)}
             for cfg in [named[w] for w in NAMED if w in wanted] + [c for c in listed if tag(c) in wanted]:
                 if cfg not in cfgs:
                     cfgs.append(cfg)

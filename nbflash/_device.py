@@ -453,10 +453,10 @@ DEFAULT_SHARED_LIMIT = 48 * 1024
 
 
 @functools.cache
-def _device_properties(index: int) -> tuple[tuple[int, int], int]:
-    """(compute capability, opt-in shared memory per block) of GPU ``index``, asked once."""
+def _device_properties(index: int) -> tuple[tuple[int, int], int, int]:
+    """(compute capability, opt-in shared memory per block, multiprocessors) of GPU ``index``, asked once."""
     dev = cuda.gpus[index]
-    return tuple(dev.compute_capability), int(dev.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+    return tuple(dev.compute_capability), int(dev.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN), int(dev.MULTIPROCESSOR_COUNT)
 
 
 def _current_index() -> int:
@@ -476,6 +476,17 @@ def max_shared_per_block() -> int:
     if SIMULATOR:
         return 227 * 1024
     return _device_properties(_current_index())[1]
+
+
+#: The simulator's multiprocessors: few, so that a persistent kernel's blocks each take several work items.
+SIM_MULTIPROCESSORS = 2
+
+
+def multiprocessor_count() -> int:
+    """The current device's streaming multiprocessors (the grid of a persistent kernel)."""
+    if SIMULATOR:
+        return SIM_MULTIPROCESSORS
+    return _device_properties(_current_index())[2]
 
 
 def set_max_dynamic_shared(dispatcher, nbytes: int) -> None:

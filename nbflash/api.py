@@ -31,8 +31,12 @@ class Plan:
     reason: str
 
 
-def plan_forward(head_dim: int, input_kind: str, scale: float, q, k, v, backend: str = "auto") -> Plan:
+def plan_forward(head_dim: int, input_kind: str, scale: float, q, k, v, backend: str = "auto",
+                 causal: bool = False) -> Plan:
     """Choose the forward kernel for validated inputs: canonical ``(B, H, N, D)`` views or descriptors of q, k, v.
+
+    ``causal`` matters to the Hopper kernel's launch only (persistent blocks or not:
+    :func:`nbflash.forward_wgmma.config_for`).
 
     The rule of :func:`which_backend`; bridges that validate their own inputs
     (:mod:`nbflash.torch`) call this directly.
@@ -52,13 +56,13 @@ def plan_forward(head_dim: int, input_kind: str, scale: float, q, k, v, backend:
     if backend == "wgmma":
         if why:
             raise ValueError(f"backend='wgmma' cannot run this call: {why}")
-        cfg = _wg.config_for(head_dim, input_kind, q, k, v)
+        cfg = _wg.config_for(head_dim, input_kind, q, k, v, causal)
         ok, why = _wg.can_implement(cfg, q, k, v)
         if not ok:
             raise ValueError(f"backend='wgmma' cannot run this call: {why}")
         return Plan("wgmma", cfg, "requested")
     if not why and backend == "auto" and (compute_capability() or (0, 0))[0] == 9:
-        wg = _wg.config_for(head_dim, input_kind, q, k, v)
+        wg = _wg.config_for(head_dim, input_kind, q, k, v, causal)
         if _wg.can_implement(wg, q, k, v)[0]:
             return Plan("wgmma", wg, "float16/bfloat16 on sm_90: Hopper's wgmma")
     if not why:
@@ -107,7 +111,8 @@ def which_backend(
     ``"tensor_core"`` and ``"wgmma"`` run the emulated instructions.
     """
     p = check_attention(q, k, v, causal=causal, scale=scale, layout=layout, bf16_bits=bf16_bits)
-    return plan_forward(p.head_dim, p.input_kind, p.scale, *(canonical(a, layout) for a in (q, k, v)), backend)
+    return plan_forward(p.head_dim, p.input_kind, p.scale, *(canonical(a, layout) for a in (q, k, v)), backend,
+                        p.causal)
 
 
 # ----------------------------------------------------------------------------
@@ -182,7 +187,7 @@ def _forward(p: Problem, q, k, v, *, stream=None, backend: str = "auto", key=Non
     """
     xp = p.xp
     cq, ck, cv = (canonical(a, p.layout) for a in (q, k, v))
-    plan = plan_forward(p.head_dim, p.input_kind, p.scale, cq, ck, cv, backend)
+    plan = plan_forward(p.head_dim, p.input_kind, p.scale, cq, ck, cv, backend, p.causal)
     if p.layout == "bhsd":
         o = xp.empty((p.batch, p.heads, p.seqlen_q, p.head_dim), dtype=q.dtype)
     else:

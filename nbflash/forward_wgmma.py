@@ -133,13 +133,44 @@ hence a third stage.  It needs about 200 registers per thread, so it takes
 wgmmas).  The default from D = 72 to 128 (128 × 128), and at D <= 64 for long
 sequences (128 × 192).
 
+**Work items and persistent blocks** (the ws pipelines).  Their grid is
+1-D: a *work item* is one query tile of one (batch, head)
+(:func:`work_item`), items run head by head, and a block takes *chunks* of
+them in turn: ``chunk = blockIdx.x, blockIdx.x + gridDim.x, …``.  With TMA
+a causal chunk is two items of complementary lengths (the longest query tile
+of a head with its shortest, and so on), so chunks cost about the same; a
+non-causal chunk is one item.  With ``persistent=True`` the grid has one
+block per multiprocessor (FlashAttention-3's persistent kernel); otherwise
+one block per chunk, each running one chunk.  The compiled kernel is the same.
+
+A persistent block pays its set-up once (mbarrier initialisation, the
+register move, the first copies' latency), and the producer runs ahead
+across items.  Its tile counter ``c`` runs over all the block's items, so
+tile c goes into stage c % STAGES once tile c - STAGES is released, even when
+the two belong to different items.  Q_i has its own mbarrier (``QBAR``) and
+its own release (the named barrier ``QEMPTY``, after each consumer's last
+S of the item).  So the next item's first K/V tiles land while the
+consumers still compute this one, and its Q_i lands while they finish the
+last P V and write O::
+
+    producer:     … K/V c-1 ─ K/V c (next item) ─ QEMPTY ─ Q_next ─ K/V c+1 …
+    consumers:    … S_last ─ QEMPTY ─ softmax, last P V ─ write O_i, lse_i ─ wait Q_next, K/V c ─ S …
+
+The turns run on across items too.  Every stage and every Q_i is released
+whether or not it is refilled, and the producer takes the releases nobody
+refilled before it exits, so that every named barrier's counts match.
+Warpgroup 0 takes back the turn that warpgroup 1 hands on at the very end.
+The cp.async producer keeps one item per block.
+
 Requires sm_90a.  Constraints (:func:`can_implement`) as for the ``mma.sync``
 kernel: D a multiple of 8 up to 256; rows whole, 16-byte-aligned chunks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import types
 from dataclasses import dataclass
 
 import numpy as np
@@ -155,6 +186,7 @@ from ._device import (
     kernel,
     launch,
     max_shared_per_block,
+    multiprocessor_count,
     numba,
     warp_uniform,
 )
@@ -203,6 +235,9 @@ class WGConfig:
     # True: O rescaled only when a row's max moves by > 2^8 (forward_tc.fragment_steps); off by default: every tile
     # rescaled measured 1–2 % faster at D = 128 (tc-forward-NVIDIA-H200-2026-12-03-lazy*.json).
     lazy_rescale: bool = False
+    # ws with TMA: one block per multiprocessor, each taking work items (query tiles) in turn; the producer copies
+    # the next item's tiles while the consumers finish this one (FlashAttention-3's persistent kernel).
+    persistent: bool = False
 
     def __post_init__(self):
         if self.block_m not in (64, 128, 192):
@@ -232,6 +267,9 @@ class WGConfig:
         if self.setmaxnreg and not self.warp_specialized:
             raise ValueError(f"setmaxnreg moves registers from a ws pipeline's producer to its consumers; the "
                              f"{self.pipeline} pipeline has no producer")
+        if self.persistent and not (self.warp_specialized and self.copies == "tma"):
+            raise ValueError(f"persistent blocks take work items in turn in a ws pipeline copying with TMA, not in "
+                             f"the {self.pipeline} pipeline with copies={self.copies!r}")
         if not self.warp_specialized and self.stages != 2:
             raise ValueError(f"stages applies to the ws pipeline only (the {self.pipeline} pipeline fixes its "
                              f"buffers), got stages={self.stages}")
@@ -267,6 +305,52 @@ def shared_offsets(cfg: WGConfig) -> tuple[int, int, int]:
     k_off = cfg.block_m * cfg.d_pad
     v_off = k_off + cfg.kv_buffers * cfg.block_n * cfg.d_pad
     return k_off, v_off, v_off + cfg.kv_buffers * cfg.block_n * cfg.d_pad
+
+
+def _work_item(item, n_qt, heads, causal, paired):
+    """Work item ``item`` of a ws launch: ``(query tile, head, batch)``.
+
+    Items run head by head (``n_qt`` query tiles each), so the blocks at work
+    at one time share a few heads' K and V in L2.  Within a head, non-causal
+    tiles come in order.  Causal tiles see more keys the later they are:
+    ``paired`` orders them longest, shortest, second longest, second shortest
+    …, so that each pair of items (a block's chunk, with TMA) costs about
+    the same; otherwise longest first, as the hardware hands out blocks.
+
+    The divisions are ``_divmod``: Python's on the host, 32-bit
+    :func:`~nbflash.intrinsics.divmod_u32` in the kernel (a 64-bit division
+    would make ptxas serialise every wgmma; the launch keeps the item count
+    below 2^31).
+    """
+    bh, u = _divmod(item, n_qt)
+    b, h = _divmod(bh, heads)
+    qt = int(u)
+    if causal:
+        qt = n_qt - 1 - u
+        if paired:
+            qt = n_qt - 1 - u // 2 if u % 2 == 0 else u // 2
+    return int(qt), int(h), int(b)
+
+
+_divmod = divmod
+work_item = _work_item  # the host version (tests); the kernel calls the device one
+d_work_item = device_function(
+    types.FunctionType(_work_item.__code__, {**globals(), "_divmod": I.divmod_u32}, "_work_item"))
+
+
+def work_grid(cfg: WGConfig, batch: int, heads: int, seqlen_q: int, causal: bool) -> tuple[int, int, int]:
+    """The launch grid.  ws: 1-D, one block per chunk of work items (two causal items with TMA, else one), at
+    most one per multiprocessor when ``cfg.persistent``.  The other pipelines: (query tiles, heads, batch)."""
+    n_qt = -(-seqlen_q // cfg.block_m)
+    if not cfg.warp_specialized:
+        return n_qt, heads, batch
+    chunk = 2 if cfg.copies == "tma" and causal else 1
+    items = n_qt * heads * batch
+    if items >= 2**31:  # the kernel counts items in 32 bits (and a grid has at most 2^31 - 1 blocks along x)
+        raise ValueError(f"wgmma forward: {items} query tiles (batch × heads × ceil(seqlen_q / {cfg.block_m})) "
+                         f"exceed the 2^31 - 1 work items a launch takes")
+    chunks = -(-items // chunk)
+    return max(1, min(chunks, multiprocessor_count()) if cfg.persistent else chunks), 1, 1
 
 
 @functools.cache
@@ -341,9 +425,14 @@ def rs_product(n: int, kind: str, k_steps: int):
     return device_function(product)
 
 
-@functools.cache
 def forward_wgmma_kernel(cfg: WGConfig):
-    """The compiled wgmma forward kernel for one configuration (cached)."""
+    """The compiled wgmma forward kernel for one configuration (cached).  Persistent or not, a ws kernel is the
+    same code (only the grid differs, :func:`work_grid`), so both share one."""
+    return _forward_wgmma_kernel(dataclasses.replace(cfg, persistent=False))
+
+
+@functools.cache
+def _forward_wgmma_kernel(cfg: WGConfig):
     BLOCK_M, BLOCK_N, D, D_PAD = cfg.block_m, cfg.block_n, cfg.head_dim, cfg.d_pad
     THREADS = cfg.threads
     K_OFF, V_OFF, _ = shared_offsets(cfg)
@@ -381,23 +470,32 @@ def forward_wgmma_kernel(cfg: WGConfig):
     PRODUCER_REGS, CONSUMER_REGS = REGISTERS
     PANELS = D_PAD // PANEL  # TMA boxes per tile: one per 64-column panel (columns past D arrive as zeros)
     Q_BYTES, KV_BYTES = BLOCK_M * D_PAD * 2, 2 * BLOCK_N * D_PAD * 2  # bytes of Q_i, of K_j and V_j together
+    N_BARS = STAGES + 1  # TMA: the mbarriers of the stages and Q_i's
+    QBAR = STAGES  # TMA: the mbarrier of Q_i, after the stages' ("Q_i has landed"; phase n: the block's n-th item)
+    QEMPTY = EMPTY + STAGES  # TMA: named barrier "both warpgroups are done with Q_i" (their item's last S)
 
     @device_function
-    def issue_tile(smem, maps, bars, b, h, q_start, tile, stage, with_q):
-        """TMA: K_tile and V_tile (and Q_i with the first tile) into ``stage``, one box per 64-column panel; one
-        arrival announcing all their bytes at ``bars[stage]``, whose phase completes when the last byte lands."""
-        T.mbarrier_arrive_expect_tx(bars, stage, KV_BYTES + (Q_BYTES if with_q else 0))
+    def issue_kv(smem, maps, bars, b, h, tile, stage):
+        """TMA: K_tile and V_tile into ``stage``, one box per 64-column panel; one arrival announcing all their
+        bytes at ``bars[stage]``, whose phase completes when the last byte lands."""
+        T.mbarrier_arrive_expect_tx(bars, stage, KV_BYTES)
         for p in range(PANELS):
-            if with_q:
-                T.tma_load_4d(smem, p * BLOCK_M * PANEL, maps[0], PANEL * p, q_start, h, b, bars, stage)
             T.tma_load_4d(smem, K_OFF + stage * KV_STRIDE + p * BLOCK_N * PANEL, maps[1], PANEL * p,
                           tile * BLOCK_N, h, b, bars, stage)
             T.tma_load_4d(smem, V_OFF + stage * KV_STRIDE + p * BLOCK_N * PANEL, maps[2], PANEL * p,
                           tile * BLOCK_N, h, b, bars, stage)
 
     @device_function
+    def issue_q(smem, maps, bars, b, h, q_start):
+        """TMA: Q_i (rows ``q_start ...``) into its buffer, on its own mbarrier ``bars[QBAR]``."""
+        T.mbarrier_arrive_expect_tx(bars, QBAR, Q_BYTES)
+        for p in range(PANELS):
+            T.tma_load_4d(smem, p * BLOCK_M * PANEL, maps[0], PANEL * p, q_start, h, b, bars, QBAR)
+
+    @device_function
     def wait_full(bars, j):
-        """ws, a consumer: wait until stage j % STAGES holds tile j (K_j, V_j; Q_i with tile 0)."""
+        """ws, a consumer: wait until stage j % STAGES holds the block's tile j (counted over all its work items:
+        K_j, V_j; with cp.async, Q_i too with tile 0)."""
         if TMA:
             # The (j // STAGES)-th use of the stage: phases 0, 1, 0, ... of its mbarrier.
             while not T.mbarrier_try_wait_parity(bars, j % STAGES, (j // STAGES) % 2):
@@ -462,12 +560,11 @@ def forward_wgmma_kernel(cfg: WGConfig):
     # ws: 384 threads, so ptxas must keep to 65536 / 384 = 168 registers per thread (the launch bounds)
     @kernel(fastmath=True, launch_bounds=(THREADS, 1) if WS else None)
     def flash_forward_wgmma(q, k, v, o, lse, qk_scale_log2, causal, maps):
-        """One block: O_i and lse_i for BLOCK_M queries of one (batch, head)."""
+        """One block: O_i and lse_i for BLOCK_M queries of one (batch, head); in ws, for each work item (a query
+        tile of some head and batch, :func:`work_item`) that falls to the block."""
         seqlen_q = q.shape[2]
         seqlen_k = k.shape[2]
-        q_start = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BLOCK_M  # longest causal rows first
-        h = cuda.blockIdx.y
-        b = cuda.blockIdx.z
+        heads = q.shape[1]
         tid = numba.int64(u32(cuda.threadIdx.x))
         # This thread's warpgroup (rows 64·wg .. 64·wg + 63 of the tile; in ws, the last one copies), known to
         # the compiler as the same in every lane of a warp.
@@ -477,9 +574,9 @@ def forward_wgmma_kernel(cfg: WGConfig):
         lane = tid % 32
         g = lane // 4  # this thread's rows g and g + 8 of its warp's 16 ...
         t = lane % 4  # ... and columns 2t, 2t + 1 of every 8-column tile
-        row0 = q_start + 16 * (tid // 32)  # the warp's first row
         smem = cuda.shared.array(0, numba.uint16, alignment=SMEM_ALIGN)
-        bars = cuda.shared.array(STAGES, numba.uint64)  # TMA: one mbarrier per K/V stage ("its tile has landed")
+        # TMA: one mbarrier per K/V stage ("its tile has landed"), then Q_i's.
+        bars = cuda.shared.array(N_BARS, numba.uint64)
 
         S = cuda.local.array((N_TILES, 4), numba.float32)  # S (then P), this thread's part
         acc = cuda.local.array((D_TILES, 4), numba.float32)  # O accumulators
@@ -495,9 +592,26 @@ def forward_wgmma_kernel(cfg: WGConfig):
         k_desc = HW.d_make_smem_desc(HW.smem_address(smem, K_OFF), 16, SBO, SW128)
         v_desc = HW.d_make_smem_desc(HW.smem_address(smem, V_OFF), KV_PANEL, SBO, SW128)
 
-        # Step 1: Q_i and K_0, one cp.async group.
+        # The block's work.  ws: work items off a 1-D grid, chunks of ``chunk`` items per block in turn (TMA:
+        # several chunks per block when the launch is persistent, causal items in pairs of complementary lengths;
+        # cp.async: one item per block).  The other pipelines: one query tile of the 3-D grid, longest causal rows
+        # first.  q_start, h, b, n_tiles are the block's (first) item's; the ws loops below take each item's own.
+        n_qt = (seqlen_q + BLOCK_M - 1) // BLOCK_M
+        n_items = n_qt * heads * q.shape[0]
+        chunk = 2 if TMA and causal else 1
+        n_chunks = n_items if chunk == 1 else (n_items + 1) // 2  # no division by a run-time value (see work_item)
+        if WS:
+            qt, h, b = d_work_item(numba.int64(cuda.blockIdx.x) * chunk, n_qt, heads, causal, chunk == 2)
+        else:
+            qt = numba.int64(cuda.gridDim.x - 1 - cuda.blockIdx.x)
+            h = numba.int64(cuda.blockIdx.y)
+            b = numba.int64(cuda.blockIdx.z)
+        q_start = qt * BLOCK_M
+        row0 = q_start + 16 * (tid // 32)  # the warp's first row
         _, k_end = d_key_range(q_start, BLOCK_M, seqlen_q, seqlen_k, causal)
         n_tiles = (k_end + BLOCK_N - 1) // BLOCK_N
+
+        # Step 1: Q_i and K_0, one cp.async group.
         producer = WS and wg == WARPGROUPS  # ws: the copying warpgroup (threads CONSUMERS ..)
         if not WS:
             load_q(smem, 0, q, b, h, q_start, seqlen_q, tid)
@@ -509,34 +623,56 @@ def forward_wgmma_kernel(cfg: WGConfig):
 
         if TMA:
             if tid == CONSUMERS:  # the producer's first thread issues every copy; one arrival per phase
-                for stage in range(STAGES):
-                    T.mbarrier_init(bars, stage, 1)
+                for bar in range(N_BARS):
+                    T.mbarrier_init(bars, bar, 1)
                 T.fence_mbarrier_init()  # ... visible to the TMA unit (the async proxy) too
             cuda.syncthreads()  # the barriers are initialised before any thread waits on them
 
         if producer and TMA:
             # ws with TMA: the producer's first thread issues one box per panel of each tile, its other threads
-            # only join the EMPTY handshakes.  Tiles 0 .. STAGES - 2 first (Q_i with tile 0).
+            # only join the handshakes.  It runs ahead over the block's items: the block's tile c (counted over
+            # all its items) goes into stage c % STAGES once tile c - STAGES is released, so the next item's first
+            # tiles are copied while the consumers still work on this one; its Q_i once they are done with this Q_i.
             if SETMAXNREG:
                 HW.setmaxnreg_dec(PRODUCER_REGS)  # a few counters and addresses: the rest go to the consumers
             issuer = tid == CONSUMERS
-            for tile in range(STAGES - 1):
-                if issuer and tile < n_tiles:
-                    issue_tile(smem, maps, bars, b, h, q_start, tile, tile, tile == 0)
-            for j in range(n_tiles):
-                tile = j + STAGES - 1  # the tile that goes into the stage tile j - 1 occupied
-                if tile < n_tiles:
-                    if j > 0:
-                        # Both warpgroups have waited for their last wgmma reading tile j - 1 (K_{j-1}, V_{j-1}).
-                        HW.named_barrier_sync(EMPTY + (j - 1) % STAGES, HANDSHAKE)
-                    if issuer:
-                        issue_tile(smem, maps, bars, b, h, q_start, tile, tile % STAGES, tile == 0)
+            c = 0  # the block's tiles issued so far
+            nq = 0  # the block's items with at least one key tile so far (one Q_i each)
+            ch = numba.int64(cuda.blockIdx.x)  # a while loop: range() with a run-time step divides (see work_item)
+            while ch < n_chunks:
+                for item in range(ch * chunk, min(ch * chunk + chunk, n_items)):
+                    qt, ih, ib = d_work_item(item, n_qt, heads, causal, chunk == 2)
+                    _, item_end = d_key_range(qt * BLOCK_M, BLOCK_M, seqlen_q, seqlen_k, causal)
+                    for j in range((item_end + BLOCK_N - 1) // BLOCK_N):
+                        if j == 0 and nq == 0 and issuer:
+                            issue_q(smem, maps, bars, ib, ih, qt * BLOCK_M)  # the block's first Q_i: a free buffer
+                        if c >= STAGES:
+                            # Both warpgroups have waited for their last wgmma reading tile c - STAGES.
+                            HW.named_barrier_sync(EMPTY + c % STAGES, HANDSHAKE)
+                        if issuer:
+                            issue_kv(smem, maps, bars, ib, ih, j, c % STAGES)
+                        if j == 0 and nq > 0:
+                            # Both warpgroups have waited for the previous item's last S: its Q_i is not read any more.
+                            HW.named_barrier_sync(QEMPTY, HANDSHAKE)
+                            if issuer:
+                                issue_q(smem, maps, bars, ib, ih, qt * BLOCK_M)
+                        c += 1
+                    if item_end > 0:
+                        nq += 1
+                ch += cuda.gridDim.x
+            # The consumers release every tile and every Q_i; the releases nobody refilled are taken here, so that
+            # each named barrier's counts match before the block exits.
+            for cc in range(max(c - STAGES, 0), c):
+                HW.named_barrier_sync(EMPTY + cc % STAGES, HANDSHAKE)
+            if nq > 0:
+                HW.named_barrier_sync(QEMPTY, HANDSHAKE)
             # Done.  The thread ends here rather than running past the consumers' code: ptxas keeps a decreased
             # register count only if no instruction reachable after it needs more.
             return
 
         if producer and not TMA:
-            # ws, the producer warpgroup only copies.  Tiles 0 .. STAGES - 2 first (Q_i with tile 0), one group each.
+            # ws, the producer warpgroup only copies (the block's one item).  Tiles 0 .. STAGES - 2 first (Q_i with
+            # tile 0), one group each.
             if SETMAXNREG:
                 HW.setmaxnreg_dec(PRODUCER_REGS)
             ptid = tid - CONSUMERS
@@ -566,61 +702,95 @@ def forward_wgmma_kernel(cfg: WGConfig):
                     load_kv(smem, K_OFF + (tile % STAGES) * KV_STRIDE, k, b, h, tile * BLOCK_N, seqlen_k, ptid)
                     load_kv(smem, V_OFF + (tile % STAGES) * KV_STRIDE, v, b, h, tile * BLOCK_N, seqlen_k, ptid)
                 I.cp_async_commit()
+            for cc in range(max(n_tiles - STAGES, 0), n_tiles):  # the releases nobody refilled, as above
+                HW.named_barrier_sync(EMPTY + cc % STAGES, HANDSHAKE)
             I.cp_async_wait_all()  # only empty groups are left; the thread ends here, as the TMA producer's does
             return
 
         if SETMAXNREG:
             HW.setmaxnreg_inc(CONSUMER_REGS)  # a consumer: take the registers the producer gave back
-        if WS and wg == 1 and n_tiles > 0:
-            HW.named_barrier_arrive(TURN_0, PAIR)  # ws: warpgroup 0 takes the first turn
+        if WS and wg == 1:
+            HW.named_barrier_arrive(TURN_0, PAIR)  # ws: warpgroup 0 takes the first turn (it takes it back at the end)
 
-        for j in range(n_tiles if WS and not WSO and not producer else 0):
-            k_start = j * BLOCK_N
-            stage = j % STAGES
-            # ws, a consumer warpgroup: the producer has released stage j % STAGES (K_j, V_j; Q_i with tile 0).
-            wait_full(bars, j)
+        # ws, a consumer warpgroup: the block's items in turn; the turns and the stages run on across items.
+        c = 0  # the block's tiles before this item
+        nq = 0  # its items with at least one key tile before this one
+        ch = numba.int64(cuda.blockIdx.x)
+        while WS and not producer and ch < n_chunks:  # WS first: the loop is gone from the other pipelines' code
+            for item in range(ch * chunk, min(ch * chunk + chunk, n_items)):
+                qt, h, b = d_work_item(item, n_qt, heads, causal, chunk == 2)
+                q_start = qt * BLOCK_M
+                row0 = q_start + 16 * (tid // 32)
+                _, k_end = d_key_range(q_start, BLOCK_M, seqlen_q, seqlen_k, causal)
+                n_tiles = (k_end + BLOCK_N - 1) // BLOCK_N
+                init_rows(m_i, l_i, acc)
+                if TMA and n_tiles > 0:
+                    while not T.mbarrier_try_wait_parity(bars, QBAR, nq % 2):  # Q_i has landed
+                        pass
 
-            # S = Q_i K_jᵀ in my turn.  The turns alternate strictly, one product each: S(wg0), S(wg1), PV(wg0),
-            # PV(wg1), S(wg0) of the next tile ...; so one warpgroup's softmax runs under the other's product.
-            s_in_turn(S, q_desc, k_desc + u64((stage * KV_STRIDE * 2) >> 4), True, mine, True, other)
-            if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
-                mask_scores(S, row0, k_start, seqlen_q, seqlen_k, causal, g, t)
-            online_softmax(S, acc, m_i, l_i, scale_log2)
-            # O += P V_j in my next turn; the very last product hands the turn to nobody.
-            pv_in_turn(acc, P, S, v_desc + u64((stage * KV_STRIDE * 2) >> 4), mine, wg == 0 or j + 1 < n_tiles, other)
-            if j + STAGES < n_tiles:  # the producer refills this stage with tile j + STAGES
-                HW.named_barrier_arrive(EMPTY + stage, HANDSHAKE)
+                for j in range(n_tiles if not WSO else 0):
+                    k_start = j * BLOCK_N
+                    stage = (c + j) % STAGES
+                    # The producer has released stage (c + j) % STAGES (K_j, V_j; with cp.async Q_i with tile 0).
+                    wait_full(bars, c + j)
 
-        for j in range(n_tiles if WSO and not producer else 0):
-            k_start = j * BLOCK_N
-            stage = j % STAGES
-            wait_full(bars, j)  # K_j, V_j (and Q_i with tile 0) have landed
+                    # S = Q_i K_jᵀ in my turn.  The turns alternate strictly, one product each: S(wg0), S(wg1),
+                    # PV(wg0), PV(wg1), S(wg0) of the next tile ...; so one warpgroup's softmax runs under the other's
+                    # product.
+                    s_in_turn(S, q_desc, k_desc + u64((stage * KV_STRIDE * 2) >> 4), True, mine, True, other)
+                    if TMA and j == n_tiles - 1:
+                        HW.named_barrier_arrive(QEMPTY, HANDSHAKE)  # my last S of the item: Q_i may be refilled
+                    if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
+                        mask_scores(S, row0, k_start, seqlen_q, seqlen_k, causal, g, t)
+                    online_softmax(S, acc, m_i, l_i, scale_log2)
+                    # O += P V_j in my next turn.
+                    pv_in_turn(acc, P, S, v_desc + u64((stage * KV_STRIDE * 2) >> 4), mine, True, other)
+                    HW.named_barrier_arrive(EMPTY + stage, HANDSHAKE)  # the producer may refill this stage
 
-            # In my turn: S_j = Q_i K_jᵀ and O += P_{j-1} V_{j-1}, two groups; the other warpgroup's pair follows.
-            HW.named_barrier_sync(mine, PAIR)
-            s = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
-            o_t = HW.wgmma_fence_operand(HW.acc_from_array(acc, D_PAD))
-            HW.wgmma_fence()  # the accumulators (rescaled in iteration j - 1) are written before wgmma reads them
-            s = qk_product(s, q_desc, k_desc + u64((stage * KV_STRIDE * 2) >> 4))
-            HW.wgmma_commit_group()
-            if j > 0:
-                o_t = pv_product(o_t, P, v_desc + u64((((j - 1) % STAGES) * KV_STRIDE * 2) >> 4))
-            HW.wgmma_commit_group()  # possibly empty: "all but the newest group" is then S_j in every iteration
-            HW.named_barrier_arrive(other, PAIR)
+                for j in range(n_tiles if WSO else 0):
+                    k_start = j * BLOCK_N
+                    stage = (c + j) % STAGES
+                    wait_full(bars, c + j)  # K_j, V_j (with cp.async and tile 0, Q_i) have landed
 
-            # S_j is done (P_{j-1} V_{j-1} may still run): mask and softmax under the tensor cores' work.
-            s_landed(s, S)
-            if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
-                mask_scores(S, row0, k_start, seqlen_q, seqlen_k, causal, g, t)
-            softmax_rows(S, m_i, l_i, scale_log2, alpha)  # S becomes P_j; O must be scaled by alpha
-            pv_landed(o_t, acc, alpha, P, S)
-            # Tile j - 1 is free now (its K read by S_{j-1}, its V by the product just waited for).
-            if j > 0 and j - 1 + STAGES < n_tiles:  # the producer refills that stage with tile j - 1 + STAGES
-                HW.named_barrier_arrive(EMPTY + (j - 1) % STAGES, HANDSHAKE)
+                    # In my turn: S_j = Q_i K_jᵀ and O += P_{j-1} V_{j-1}, two groups; the other warpgroup's pair
+                    # follows.
+                    HW.named_barrier_sync(mine, PAIR)
+                    s = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
+                    o_t = HW.wgmma_fence_operand(HW.acc_from_array(acc, D_PAD))
+                    HW.wgmma_fence()  # the accumulators (rescaled in iteration j - 1) are written before wgmma reads
+                    s = qk_product(s, q_desc, k_desc + u64((stage * KV_STRIDE * 2) >> 4))
+                    HW.wgmma_commit_group()
+                    if j > 0:
+                        o_t = pv_product(o_t, P, v_desc + u64((((c + j - 1) % STAGES) * KV_STRIDE * 2) >> 4))
+                    HW.wgmma_commit_group()  # possibly empty: "all but the newest group" is then S_j every time
+                    HW.named_barrier_arrive(other, PAIR)
 
-        if WSO and not producer and n_tiles > 0:
-            # The last O += P V, in one more turn (which warpgroup 1 hands to nobody); P is packed again from S.
-            pv_in_turn(acc, P, S, v_desc + u64((((n_tiles - 1) % STAGES) * KV_STRIDE * 2) >> 4), mine, wg == 0, other)
+                    # S_j is done (P_{j-1} V_{j-1} may still run): mask and softmax under the tensor cores' work.
+                    s_landed(s, S)
+                    if TMA and j == n_tiles - 1:
+                        HW.named_barrier_arrive(QEMPTY, HANDSHAKE)  # my last S of the item: Q_i may be refilled
+                    if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
+                        mask_scores(S, row0, k_start, seqlen_q, seqlen_k, causal, g, t)
+                    softmax_rows(S, m_i, l_i, scale_log2, alpha)  # S becomes P_j; O must be scaled by alpha
+                    pv_landed(o_t, acc, alpha, P, S)
+                    # Tile j - 1 is free now (its K read by S_{j-1}, its V by the product just waited for).
+                    if j > 0:
+                        HW.named_barrier_arrive(EMPTY + (c + j - 1) % STAGES, HANDSHAKE)
+
+                if WSO and n_tiles > 0:
+                    # The item's last O += P V, in one more turn; P is packed again from S.  Then its tile is free.
+                    last = (c + n_tiles - 1) % STAGES
+                    pv_in_turn(acc, P, S, v_desc + u64((last * KV_STRIDE * 2) >> 4), mine, True, other)
+                    HW.named_barrier_arrive(EMPTY + last, HANDSHAKE)
+
+                # Step 3 of the item: O_i = acc / l_i, lse_i = m_i + log l_i.
+                write_rows(o, lse, acc, m_i, l_i, b, h, row0, seqlen_q, g, t)
+                c += n_tiles
+                if n_tiles > 0:
+                    nq += 1
+            ch += cuda.gridDim.x
+        if WS and wg == 0 and not producer:
+            HW.named_barrier_sync(TURN_0, PAIR)  # warpgroup 1's last hand-over (its first, if no tile came)
 
         for j in range(n_tiles if PINGPONG else 0):
             k_start = j * BLOCK_N
@@ -747,8 +917,8 @@ def forward_wgmma_kernel(cfg: WGConfig):
 
         I.cp_async_wait_all()  # nothing left in flight (only Q's group when no key tile was visible)
 
-        # Step 3: O_i = acc / l_i, lse_i = m_i + log l_i.
-        if not producer:
+        # Step 3: O_i = acc / l_i, lse_i = m_i + log l_i (ws: written per item above).
+        if not WS:
             write_rows(o, lse, acc, m_i, l_i, b, h, row0, seqlen_q, g, t)
 
     return flash_forward_wgmma
@@ -761,11 +931,29 @@ def forward_wgmma_kernel(cfg: WGConfig):
 
 @functools.cache
 def choose_config(
-    head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR, copies: str = "tma", long_keys: bool = False
+    head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR, copies: str = "tma", long_keys: bool = False,
+    persistent: bool = True,
 ) -> WGConfig:
     """The configuration for a head dim (any multiple of 8 up to 256), chosen by the H200 sweeps.
 
-    ``long_keys``: at least :data:`WSO_MIN_KEYS_D64` keys (it matters at D <= 64 only).
+    ``long_keys``: at least :data:`WSO_MIN_KEYS_D64` keys (it matters at D <= 64 only).  ``persistent``: the
+    pipelines that copy with TMA get persistent blocks (:func:`config_for` turns them off for long non-causal
+    calls, :data:`PERSISTENT_MAX_KEYS`).
+
+    ``tc-forward-NVIDIA-H200-2026-12-03-persistent.json`` (bf16, N = 1k / 2k /
+    4k / 16k, each pick beside itself with one block per work chunk): persistent
+    blocks add 13 / 7 / 2 / −3 % at D = 128 non-causal and 9 / 5 / 3 / 3 %
+    causal; at D = 64 (128 × 128 ws) 14 / 7 / 3 / −1 % and 11 / 6 / 4 / 0 %.
+    The second run (``…-persistent-all.json``, bf16 and fp16, N = 512 … 16k)
+    gave the thresholds:
+
+    * at 8k keys persistent blocks are still 0–3 % ahead non-causal, at 16k
+      −3 … +1 % (hence :data:`PERSISTENT_MAX_KEYS`);
+    * at D = 64 the persistent 128 × 128 ws kernel is 13–19 % ahead of the
+      plain 128 × 64 one at 512 and 1k keys, so TMA now runs at every length;
+    * the 128 × 192 ws-overlap kernel at D = 64, persistent, is ahead of the
+      128 × 128 ws one from 2k keys on (402 against 379 at 2k non-causal, even
+      causal), hence :data:`WSO_MIN_KEYS_D64`.
 
     Since ``tc-forward-NVIDIA-H200-2026-12-01-setmaxnreg.json`` (bf16, N = 1k /
     4k / 16k; the ws pipeline before in the same run): the producer gives its
@@ -779,8 +967,8 @@ def choose_config(
       stages, TMA: 386 / 425 non-causal and 335 / 410 causal at 4k / 16k,
       against 363 / 395 and 330 / 377 (+2 % to +9 %); at 1k it is 4–12 %
       slower and at 2k even (``…-setmaxnreg-default.json``, bf16 and fp16),
-      so shorter sequences keep the ws pipeline (and the plain kernel below
-      :data:`TMA_MIN_KEYS_D64`).
+      so shorter sequences kept the ws pipeline (and the plain kernel below
+      1025 keys, until persistent blocks).
 
     The second run (``…-setmaxnreg-default.json``, bf16 and fp16, N = 512 …
     16k) put the D = 128 default at −6 % to +19 % of the ws pipeline: ahead at
@@ -795,8 +983,7 @@ def choose_config(
     Up to D = 128: the ws pipeline, 128 × 128 tiles, 2 stages, copying with
     TMA (``tc-forward-…-tma.json``, f563588, bf16, N = 1k / 4k / 16k in one
     run).  ``copies="cp.async"`` gives the best configuration without TMA
-    (:func:`config_for` falls back to it for strides the TMA cannot step, and
-    at D <= 64 for short sequences: :data:`TMA_MIN_KEYS_D64`).
+    (:func:`config_for` falls back to it for strides the TMA cannot step).
     ``tc-forward-…-12-01-tma-default.json`` (bf16 and fp16, N = 512 … 16k)
     has both side by side with SDPA flash and cuDNN.  The earlier run:
 
@@ -839,11 +1026,13 @@ def choose_config(
         return WGConfig(64, 16, head_dim, input_kind)
     d_pad = -(-head_dim // PANEL) * PANEL
     if 64 < d_pad <= 128 and copies == "tma":
-        return WGConfig(128, 128, head_dim, input_kind, "ws-overlap", stages=3, copies="tma", setmaxnreg=True)
+        return WGConfig(128, 128, head_dim, input_kind, "ws-overlap", stages=3, copies="tma", setmaxnreg=True,
+                        persistent=persistent)
     if d_pad <= 64 and copies == "tma" and long_keys:
-        return WGConfig(128, 192, head_dim, input_kind, "ws-overlap", stages=3, copies="tma", setmaxnreg=True)
+        return WGConfig(128, 192, head_dim, input_kind, "ws-overlap", stages=3, copies="tma", setmaxnreg=True,
+                        persistent=persistent)
     if d_pad <= 64 and copies == "tma":
-        return WGConfig(128, 128, head_dim, input_kind, "ws", stages=2, copies="tma")
+        return WGConfig(128, 128, head_dim, input_kind, "ws", stages=2, copies="tma", persistent=persistent)
     if d_pad <= 64:
         return WGConfig(128, 64, head_dim, input_kind, "plain")
     if d_pad <= 128:
@@ -851,30 +1040,31 @@ def choose_config(
     return WGConfig(128, 64, head_dim, input_kind, "overlap")
 
 
-#: At D <= 64 the TMA pipeline pays from this many keys on; below, the plain 128 × 64 kernel is faster
-#: (``tc-forward-NVIDIA-H200-2026-12-01-tma-default.json``: at N = 512 and 1k, by up to 12 %).
-TMA_MIN_KEYS_D64 = 1025
-#: At D <= 64 the 128 × 192 ws-overlap kernel pays from this many keys on (``tc-forward-…-setmaxnreg-default.json``:
-#: 0 to 3 % slower at 2k, 1 to 4 % faster at 4k, 4 to 10 % at 16k; slower below).
-WSO_MIN_KEYS_D64 = 4096
+#: At D <= 64 the 128 × 192 ws-overlap kernel pays from this many keys on (persistent, both kinds of kernel:
+#: ``tc-forward-…-12-03-persistent.json``, +6 % at 2k non-causal and even causal, +6–15 % from 4k on; slower at 1k).
+WSO_MIN_KEYS_D64 = 2048
+#: Non-causal calls with at least this many keys run one block per work chunk rather than persistent blocks: at 16k
+#: keys the persistent grid was −3 … +1 % (D = 128, bf16 / fp16), at 8k still 1–3 % ahead (``…-persistent-all.json``).
+#: A likely cause, not measured: its static share of equal items cannot even out multiprocessors that run slower,
+#: as the hardware's block scheduler does.
+PERSISTENT_MAX_KEYS = 16384
 
 
-def config_for(head_dim: int, input_kind: str, q, k, v) -> WGConfig:
+def config_for(head_dim: int, input_kind: str, q, k, v, causal: bool = False) -> WGConfig:
     """:func:`choose_config`'s pick for these arrays (canonical ``(B, H, N, D)`` views or descriptors).
 
     ``long_keys`` is set from k's length (at D <= 64, from :data:`WSO_MIN_KEYS_D64`
-    keys on the 128 × 192 ws-overlap kernel runs).
+    keys on the 128 × 192 ws-overlap kernel runs); persistent blocks unless
+    the call is non-causal with :data:`PERSISTENT_MAX_KEYS` keys or more.
 
     Where it copies with TMA, the best configuration that copies with
     ``cp.async`` instead when the TMA one cannot run on the arrays
     (:func:`can_implement`: e.g. a stride that is not a positive multiple of
-    16 bytes, as for k and v broadcast over heads) or, at D <= 64, for fewer
-    than :data:`TMA_MIN_KEYS_D64` keys.
+    16 bytes, as for k and v broadcast over heads).
     """
-    cfg = choose_config(head_dim, input_kind, long_keys=k.shape[2] >= WSO_MIN_KEYS_D64)
-    if cfg.copies == "tma" and (
-        (cfg.d_pad <= 64 and k.shape[2] < TMA_MIN_KEYS_D64) or not can_implement(cfg, q, k, v)[0]
-    ):
+    cfg = choose_config(head_dim, input_kind, long_keys=k.shape[2] >= WSO_MIN_KEYS_D64,
+                        persistent=bool(causal) or k.shape[2] < PERSISTENT_MAX_KEYS)
+    if cfg.copies == "tma" and not can_implement(cfg, q, k, v)[0]:
         cfg = choose_config(head_dim, input_kind, copies="cp.async")
     return cfg
 
@@ -916,7 +1106,7 @@ def launch_forward_wgmma(cfg: WGConfig, q, k, v, o, lse, scale: float, causal: b
     if not ok:
         raise ValueError(f"wgmma forward configuration {cfg} cannot run: {why}")
     batch, heads, seqlen_q, _ = q.shape
-    grid = (-(-seqlen_q // cfg.block_m), heads, batch)
+    grid = work_grid(cfg, batch, heads, seqlen_q, causal)
     args = (q, k, v, o, lse, float(scale * LOG2E), bool(causal), tensor_maps(cfg, q, k, v))
     launch(forward_wgmma_kernel(cfg), grid, (cfg.threads, 1, 1), stream, shared_bytes(cfg), *args)
 

@@ -1,5 +1,6 @@
 """Tensor-core building blocks: ``mma.sync``, ``ldmatrix``, ``cp.async``, packed conversions — and the
-vector accesses to global memory (16-byte loads and stores, float32 reductions) of the backward.
+vector accesses to global memory (16-byte loads and stores, float32 reductions) of the backward, and a
+32-bit unsigned ``divmod`` (a 64-bit division by a run-time value is a subroutine call in PTX).
 
 Numba has no API for the warp-level matrix instructions, so each one here is an
 ``@intrinsic`` whose code generator emits the PTX instruction as inline
@@ -56,6 +57,7 @@ __all__ = [
     "cp_async_wait",
     "cp_async_wait_all",
     "d_a_frag_index",
+    "divmod_u32",
     "d_b_frag_index",
     "d_c_frag_index",
     "d_ldmatrix_x4_a_address",
@@ -604,6 +606,34 @@ _F32_TINY = np.finfo(np.float32).tiny
 
 
 _RED_LOCK = threading.Lock()
+
+
+def _sim_divmod_u32(a, b):
+    """``(a // b, a % b)`` of two integers taken as 32-bit unsigned: ``div.u32`` and ``rem.u32``.
+
+    Why not ``//``: Numba types integer arithmetic at 64 bits, and PTX has no
+    64-bit divide instruction, so ``x // y`` with a run-time ``y`` becomes a
+    call to a division subroutine.  ptxas serialises every ``wgmma`` of a
+    kernel that makes a call (its C7509 note).  32-bit division is inline code.
+    The caller keeps both operands below 2^32.  Simulator: Python's divmod.
+    """
+    a, b = int(a) & 0xFFFFFFFF, int(b) & 0xFFFFFFFF
+    if b == 0:
+        raise ZeroDivisionError("divmod_u32: division by zero")
+    return np.uint32(a // b), np.uint32(a % b)
+
+
+@intrinsic
+def _gpu_divmod_u32(typingctx, a, b):
+    if not _is_int(a, b):
+        return None
+    sig = types.UniTuple(types.uint32, 2)(a, b)
+
+    def codegen(context, builder, sig, args):
+        x, y = _cast_all(context, builder, args, sig.args, types.uint32)
+        return context.make_tuple(builder, sig.return_type, [builder.udiv(x, y), builder.urem(x, y)])
+
+    return sig, codegen
 
 
 def _sim_red_add_f32x4(arr, index, v0, v1, v2, v3):
@@ -1270,3 +1300,4 @@ red_add_f32 = _public(_sim_red_add_f32, lambda: _gpu_red_add_f32)
 st_global_b32 = _public(_sim_st_global_b32, lambda: _gpu_st_global_b32)
 red_add_f32x2 = _public(_sim_red_add_f32x2, lambda: _gpu_red_add_f32x2)
 red_add_f32x4 = _public(_sim_red_add_f32x4, lambda: _gpu_red_add_f32x4)
+divmod_u32 = _public(_sim_divmod_u32, lambda: _gpu_divmod_u32)

@@ -299,7 +299,7 @@ def _gpu_forward(
         if layout == "bshd":
             arrays[:4] = [a.permute((0, 2, 1, 3)) for a in arrays[:4]]
         kind = "bfloat16" if q.dtype == torch.bfloat16 else str(q.dtype).removeprefix("torch.")
-        plan = _api.plan_forward(D, kind, scale, *arrays[:3], backend)
+        plan = _api.plan_forward(D, kind, scale, *arrays[:3], backend, bool(causal))
         with _launch.record() as launches:
             _launch_forward(plan, _launch.placeholder_args(arrays), scale, causal, stream=0)
         try:

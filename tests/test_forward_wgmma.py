@@ -88,6 +88,59 @@ def test_forward_wgmma_warp_specialized(xp, rng, pipeline, stages, kind, causal,
 
 
 @hopper
+@pytest.mark.parametrize("pipeline,stages,kind,causal,n_q,n_k,batch,heads", [
+    ("ws-overlap", 3, "bfloat16", True, 130, 75, 2, 2),  # 8 causal items in pairs, 2 pairs per block
+    ("ws-overlap", 4, "float16", False, 130, 45, 1, 3),  # 6 items, 3 per block
+    ("ws", 2, "float16", True, 300, 40, 1, 2),  # items that see no key; a pair that spans two heads
+])
+def test_forward_wgmma_persistent(xp, rng, pipeline, stages, kind, causal, n_q, n_k, batch, heads):
+    """Persistent ws blocks (one per multiprocessor; the simulator has 2): each block takes several work items, the
+    producer copies the next item's tiles and its Q_i while the consumers finish the item before, the stages and
+    the turns run on across items, and an item that sees no key only writes its rows."""
+    cfg = W.WGConfig(128, 16, 64, kind, pipeline, stages=stages, copies="tma", setmaxnreg=True, persistent=True)
+    n_qt = -(-n_q // 128)
+    blocks = W.work_grid(cfg, batch, heads, n_q, causal)[0]
+    if SIMULATOR:
+        assert blocks == 2 and -(-n_qt * batch * heads // (2 if causal else 1)) > blocks  # several chunks a block
+    run_and_check(xp, rng, n_q, n_k, 64, kind, causal, cfg=cfg, layout="bshd", batch=batch, heads=heads,
+                  launch=launch)
+
+
+@pytest.mark.skipif(SIMULATOR or (compute_capability() or (0, 0))[0] != 9, reason="real tiles on a Hopper GPU")
+@pytest.mark.parametrize("n_q,n_k,d,causal,batch,heads,kind", [
+    (1025, 1025, 64, True, 2, 16, "bfloat16"),  # 288 items, 144 causal pairs: more chunks than multiprocessors
+    (1100, 1100, 128, False, 2, 16, "float16"),  # 288 items, some blocks take 3
+    (2100, 2100, 64, False, 1, 20, "float16"),  # the 128 × 192 ws-overlap tiles, 340 items
+    (300, 131, 128, True, 1, 4, "bfloat16"),  # items that see no key
+    (2000, 3000, 128, True, 1, 2, "float16"),  # seqlen_q < seqlen_k: every row sees keys, a ragged last key tile
+])
+def test_forward_wgmma_persistent_real_tiles(xp, rng, n_q, n_k, d, causal, batch, heads, kind):
+    """The GPU's persistent picks at their own tiles, against float64: every block takes several work items."""
+    cfg = W.choose_config(d, kind, simulator=False, long_keys=n_k >= W.WSO_MIN_KEYS_D64)
+    assert cfg.persistent and cfg.copies == "tma"
+    run_and_check(xp, rng, n_q, n_k, d, kind, causal, cfg=cfg, batch=batch, heads=heads, launch=launch)
+
+
+@pytest.mark.parametrize("n_qt", [1, 2, 5, 16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_work_items_cover_every_tile_once(n_qt, causal):
+    """The work items are every (query tile, head, batch) once, head by head; causal pairs (a persistent block's
+    chunk) cost about the same: the longest tile with the shortest, and so on."""
+    heads, batch = 3, 2
+    items = [W.work_item(i, n_qt, heads, causal, causal) for i in range(n_qt * heads * batch)]
+    assert sorted(items) == sorted((qt, h, b) for qt in range(n_qt) for h in range(heads) for b in range(batch))
+    assert [(b, h) for _, h, b in items] == sorted((b, h) for _, h, b in items)  # head by head
+    if causal:
+        for bh in range(heads * batch):
+            tiles = [qt for qt, *_ in items[bh * n_qt:(bh + 1) * n_qt]]
+            sums = {tiles[u] + tiles[u + 1] for u in range(0, n_qt - 1, 2)}
+            assert sums <= {n_qt - 1}, tiles  # (n_qt - 1 - u) + u
+        assert [W.work_item(i, n_qt, 1, True, False)[0] for i in range(n_qt)] == list(range(n_qt))[::-1]
+    else:
+        assert [qt for qt, *_ in items[:n_qt]] == list(range(n_qt))
+
+
+@hopper
 @pytest.mark.parametrize("cfg", [
     W.WGConfig(64, 16, 64, "bfloat16", "overlap", copies="cp.async", lazy_rescale=True),
     W.WGConfig(128, 16, 64, "float16", "ws-overlap", stages=3, copies="tma", setmaxnreg=True, lazy_rescale=True),
@@ -118,9 +171,34 @@ def test_tma_configuration_rules():
             cfg = W.choose_config(d, "bfloat16", simulator=False, long_keys=long_keys)
             assert (cfg.pipeline, cfg.copies, cfg.block_n, cfg.stages, cfg.setmaxnreg) == ("ws-overlap", "tma", 128, 3,
                                                                                           True)
+    for d in (64, 128):  # TMA picks: persistent blocks unless asked not to; the same compiled kernel either way
+        cfg = W.choose_config(d, "bfloat16", simulator=False)
+        assert cfg.persistent and not W.choose_config(d, "bfloat16", simulator=False, persistent=False).persistent
+        assert W.forward_wgmma_kernel(cfg) is W.forward_wgmma_kernel(dataclasses.replace(cfg, persistent=False))
+    assert not W.choose_config(128, "float16", simulator=False, copies="cp.async").persistent
     assert W.choose_config(64, "float16", simulator=False, copies="cp.async").pipeline == "plain"
     assert W.choose_config(128, "float16", simulator=False, copies="cp.async").copies == "cp.async"
     assert W.choose_config(256, "float16", simulator=False).copies == "cp.async"  # overlap: no producer
+
+
+@pytest.mark.skipif(SIMULATOR or (compute_capability() or (0, 0))[0] != 9, reason="config_for picks on a Hopper GPU")
+@pytest.mark.parametrize("d", [64, 128])
+def test_config_for_persistent_rule(d):
+    """On the GPU, :func:`config_for` gives TMA picks persistent blocks except for long non-causal calls, and the
+    long-sequence tiles at D = 64 from WSO_MIN_KEYS_D64 keys; the grid is then one block per multiprocessor."""
+    import cupy as cp
+
+    for n_k in (W.WSO_MIN_KEYS_D64 - 8, W.PERSISTENT_MAX_KEYS):
+        q = cp.empty((1, 2, 256, d), cp.float16)
+        kv = cp.empty((1, 2, n_k, d), cp.float16)
+        for causal in (False, True):
+            cfg = W.config_for(d, "float16", q, kv, kv, causal)
+            assert cfg.copies == "tma" and cfg.persistent == (causal or n_k < W.PERSISTENT_MAX_KEYS), (n_k, causal)
+            if d == 64:
+                assert cfg.block_n == (192 if n_k >= W.WSO_MIN_KEYS_D64 else 128)
+    cfg = W.choose_config(d, "float16", simulator=False)
+    assert W.work_grid(cfg, 8, 16, 4096, False) == (W.multiprocessor_count(), 1, 1)
+    assert W.work_grid(dataclasses.replace(cfg, persistent=False), 8, 16, 4096, True) == (8 * 16 * 32 // 2, 1, 1)
 
 
 @hopper
@@ -179,6 +257,10 @@ def test_config_validation_and_shared_memory():
         W.WGConfig(128, 16, 64, "float16", "overlap", stages=3)
     with pytest.raises(ValueError, match="setmaxnreg"):
         W.WGConfig(128, 16, 64, "float16", "overlap", setmaxnreg=True)  # no producer to take registers from
+    with pytest.raises(ValueError, match="persistent"):
+        W.WGConfig(128, 16, 64, "float16", "ws", copies="cp.async", persistent=True)  # only the TMA producer loops
+    with pytest.raises(ValueError, match="persistent"):
+        W.WGConfig(128, 16, 64, "float16", "overlap", persistent=True)
     ws = W.WGConfig(128, 128, 128, "bfloat16", "ws", stages=3)
     assert ws.threads == 3 * 128  # two consumer warpgroups and the producer warpgroup
     assert W.shared_bytes(ws) == (1 + 2 * 3) * 32 * 1024  # Q and three K, V stages: 224 KB, under Hopper's 227

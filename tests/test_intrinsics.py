@@ -901,3 +901,33 @@ def test_intrinsics_become_tensor_core_sass():
         assert not missing, (row["kernel"], missing)
         extra = [t for t in row["sass"] for op in FORBIDDEN_SASS.get(row["kernel"], ()) if t.split(".")[0] == op]
         assert not extra, (row["kernel"], extra)
+
+
+# ----------------------------------------------------------------------------
+# 32-bit unsigned division (the persistent forward's work items)
+# ----------------------------------------------------------------------------
+
+
+@functools.cache
+def divmod_kernel():
+    @kernel
+    def divmod_all(a, b, q, r):
+        for i in range(cuda.threadIdx.x, a.size, 32):
+            q[i], r[i] = I.divmod_u32(a[i], b[i])
+
+    return divmod_all
+
+
+def test_divmod_u32_matches_integer_division(rng):
+    """Quotient and remainder in 32-bit unsigned arithmetic, up to 2^32 - 1 (past int32), on int64 operands as the
+    kernels pass them; the simulator version refuses a zero divisor."""
+    a = np.concatenate([rng.integers(0, 2**32, 200), [0, 1, 2**31, 2**32 - 1, 7]]).astype(np.int64)
+    b = np.concatenate([rng.integers(1, 2**20, 100), rng.integers(1, 2**32, 100), [1, 3, 2**31 - 1, 2**32 - 1, 7]])
+    b = b.astype(np.int64)
+    q, r = np.zeros(a.size, np.uint32), np.zeros(a.size, np.uint32)
+    launch(divmod_kernel(), a, b, q, r)
+    np.testing.assert_array_equal(q.astype(np.int64), a // b)
+    np.testing.assert_array_equal(r.astype(np.int64), a % b)
+    if SIMULATOR:
+        with pytest.raises(ZeroDivisionError):
+            I.divmod_u32(5, 0)

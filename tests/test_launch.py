@@ -315,7 +315,7 @@ from nbflash import _device, _launch, api, backward, backward_tc, forward, forwa
 from nbflash._launch import ArrayArg
 assert not _device.SIMULATOR
 _device._current_index = lambda: 0
-_device._device_properties = lambda index: ((9, 0), 232448)
+_device._device_properties = lambda index: ((9, 0), 232448, 132)
 
 def canon(a):
     return a.permute((0, 2, 1, 3))
@@ -425,11 +425,15 @@ shared_kv = shared_kv._replace(shape=(B, H, Nk, 128), strides=(shared_kv.strides
 plan = api.plan_forward(128, "float16", 0.125, desc(ptrs[0], (B, H, Nq, 128), np.float16), shared_kv, shared_kv)
 cases.append(dict(case="forward tma fallback", got=[[plan.backend, plan.config.copies]], want=[["wgmma", "cp.async"]],
                   n=1, scratch=0))
-# At D = 64 TMA pays only for long sequences: below, the plain kernel.
+# At D = 64 TMA at every length: 128 x 128 ws tiles, and from WSO_MIN_KEYS_D64 keys 128 x 192 ws-overlap ones;
+# persistent blocks except for long non-causal calls.
 plans = [api.plan_forward(64, "bfloat16", 0.125, desc(ptrs[0], (1, 2, 64, 64), np.uint16),
-                          *(desc(ptrs[1], (1, 2, n, 64), np.uint16),) * 2, "auto") for n in (1024, 1025)]
-cases.append(dict(case="forward tma at D = 64", got=[[p.config.pipeline, p.config.copies] for p in plans],
-                  want=[["plain", "cp.async"], ["ws", "tma"]], n=1, scratch=0))
+                          *(desc(ptrs[1], (1, 2, n, 64), np.uint16),) * 2, "auto", causal)
+         for n, causal in ((1024, False), (2048, False), (16384, False), (16384, True))]
+cases.append(dict(case="forward tma at D = 64", got=[[p.config.pipeline, p.config.copies, p.config.persistent]
+                                                     for p in plans],
+                  want=[["ws", "tma", True], ["ws-overlap", "tma", True], ["ws-overlap", "tma", False],
+                        ["ws-overlap", "tma", True]], n=1, scratch=0))
 print(json.dumps(cases))
 """
 
