@@ -493,6 +493,13 @@ def _forward_wgmma_kernel(cfg: WGConfig):
             T.tma_load_4d(smem, p * BLOCK_M * PANEL, maps[0], PANEL * p, q_start, h, b, bars, QBAR)
 
     @device_function
+    def item_tiles(item, n_qt, heads, seqlen_q, seqlen_k, causal, paired):
+        """ws: work item ``item``'s first query row, head, batch and number of visible key tiles."""
+        qt, h, b = d_work_item(item, n_qt, heads, causal, paired)
+        _, k_end = d_key_range(qt * BLOCK_M, BLOCK_M, seqlen_q, seqlen_k, causal)
+        return qt * BLOCK_M, h, b, (k_end + BLOCK_N - 1) // BLOCK_N
+
+    @device_function
     def wait_full(bars, j):
         """ws, a consumer: wait until stage j % STAGES holds the block's tile j (counted over all its work items:
         K_j, V_j; with cp.async, Q_i too with tile 0)."""
@@ -601,15 +608,15 @@ def _forward_wgmma_kernel(cfg: WGConfig):
         chunk = 2 if TMA and causal else 1
         n_chunks = n_items if chunk == 1 else (n_items + 1) // 2  # no division by a run-time value (see work_item)
         if WS:
-            qt, h, b = d_work_item(numba.int64(cuda.blockIdx.x) * chunk, n_qt, heads, causal, chunk == 2)
+            q_start, h, b, n_tiles = item_tiles(numba.int64(cuda.blockIdx.x) * chunk, n_qt, heads, seqlen_q, seqlen_k,
+                                                causal, chunk == 2)
         else:
-            qt = numba.int64(cuda.gridDim.x - 1 - cuda.blockIdx.x)
+            q_start = numba.int64(cuda.gridDim.x - 1 - cuda.blockIdx.x) * BLOCK_M
             h = numba.int64(cuda.blockIdx.y)
             b = numba.int64(cuda.blockIdx.z)
-        q_start = qt * BLOCK_M
+            _, k_end = d_key_range(q_start, BLOCK_M, seqlen_q, seqlen_k, causal)
+            n_tiles = (k_end + BLOCK_N - 1) // BLOCK_N
         row0 = q_start + 16 * (tid // 32)  # the warp's first row
-        _, k_end = d_key_range(q_start, BLOCK_M, seqlen_q, seqlen_k, causal)
-        n_tiles = (k_end + BLOCK_N - 1) // BLOCK_N
 
         # Step 1: Q_i and K_0, one cp.async group.
         producer = WS and wg == WARPGROUPS  # ws: the copying warpgroup (threads CONSUMERS ..)
@@ -641,11 +648,10 @@ def _forward_wgmma_kernel(cfg: WGConfig):
             ch = numba.int64(cuda.blockIdx.x)  # a while loop: range() with a run-time step divides (see work_item)
             while ch < n_chunks:
                 for item in range(ch * chunk, min(ch * chunk + chunk, n_items)):
-                    qt, ih, ib = d_work_item(item, n_qt, heads, causal, chunk == 2)
-                    _, item_end = d_key_range(qt * BLOCK_M, BLOCK_M, seqlen_q, seqlen_k, causal)
-                    for j in range((item_end + BLOCK_N - 1) // BLOCK_N):
+                    i_start, ih, ib, i_tiles = item_tiles(item, n_qt, heads, seqlen_q, seqlen_k, causal, chunk == 2)
+                    for j in range(i_tiles):
                         if j == 0 and nq == 0 and issuer:
-                            issue_q(smem, maps, bars, ib, ih, qt * BLOCK_M)  # the block's first Q_i: a free buffer
+                            issue_q(smem, maps, bars, ib, ih, i_start)  # the block's first Q_i: a free buffer
                         if c >= STAGES:
                             # Both warpgroups have waited for their last wgmma reading tile c - STAGES.
                             HW.named_barrier_sync(EMPTY + c % STAGES, HANDSHAKE)
@@ -655,9 +661,9 @@ def _forward_wgmma_kernel(cfg: WGConfig):
                             # Both warpgroups have waited for the previous item's last S: its Q_i is not read any more.
                             HW.named_barrier_sync(QEMPTY, HANDSHAKE)
                             if issuer:
-                                issue_q(smem, maps, bars, ib, ih, qt * BLOCK_M)
+                                issue_q(smem, maps, bars, ib, ih, i_start)
                         c += 1
-                    if item_end > 0:
+                    if i_tiles > 0:
                         nq += 1
                 ch += cuda.gridDim.x
             # The consumers release every tile and every Q_i; the releases nobody refilled are taken here, so that
@@ -718,11 +724,8 @@ def _forward_wgmma_kernel(cfg: WGConfig):
         ch = numba.int64(cuda.blockIdx.x)
         while WS and not producer and ch < n_chunks:  # WS first: the loop is gone from the other pipelines' code
             for item in range(ch * chunk, min(ch * chunk + chunk, n_items)):
-                qt, h, b = d_work_item(item, n_qt, heads, causal, chunk == 2)
-                q_start = qt * BLOCK_M
+                q_start, h, b, n_tiles = item_tiles(item, n_qt, heads, seqlen_q, seqlen_k, causal, chunk == 2)
                 row0 = q_start + 16 * (tid // 32)
-                _, k_end = d_key_range(q_start, BLOCK_M, seqlen_q, seqlen_k, causal)
-                n_tiles = (k_end + BLOCK_N - 1) // BLOCK_N
                 init_rows(m_i, l_i, acc)
                 if TMA and n_tiles > 0:
                     while not T.mbarrier_try_wait_parity(bars, QBAR, nq % 2):  # Q_i has landed
