@@ -9,8 +9,8 @@ flag, both backwards run ``--reps`` times under ``torch.profiler`` (CUPTI record
 Numba's launches included), after a warm-up.  The table gives each kernel's mean time per backward call, its
 share of the call, and the sum; the kernels run back to back on one stream, so the sum is the call's GPU time less the
 gaps between launches.  ``--deterministic`` adds nbflash's deterministic dQ route, ``--wgmma`` its Hopper
-backward.  Results go to ``<out>/bwd-kernels-<device>-<date><suffix>.json`` (rewritten after every shape) as
-well as to the screen.
+backward (``--no-tensor-core``: without the ``mma.sync`` one).  Results go to
+``<out>/bwd-kernels-<device>-<date><suffix>.json`` (rewritten after every shape) as well as to the screen.
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ def main():
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     ap.add_argument("--deterministic", action="store_true", help="also nbflash's deterministic dQ route")
     ap.add_argument("--wgmma", action="store_true", help="also nbflash's wgmma backward")
+    ap.add_argument("--no-tensor-core", action="store_true", help="without nbflash's mma.sync backward")
     ap.add_argument("--out", default=None)
     ap.add_argument("--suffix", default="")
     args = ap.parse_args()
@@ -101,7 +102,7 @@ def main():
                 q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(4))
                 cq, ck, cv, cdo = (as_cupy(x) for x in (q, k, v, do))
                 o, lse = api.forward_arrays(cq, ck, cv, causal=causal, bf16_bits=bf16, backend="tensor_core")
-                routes = {"nbflash tensor_core": dict(backend="tensor_core")}
+                routes = {} if args.no_tensor_core else {"nbflash tensor_core": dict(backend="tensor_core")}
                 if args.deterministic:
                     routes["nbflash tensor_core deterministic"] = dict(backend="tensor_core", deterministic=True)
                 if args.wgmma:

@@ -5,6 +5,7 @@
     compute-sanitizer --tool racecheck python benchmarks/sanitize_tc.py --bulk-dq   # the bulk_dq backward only
     compute-sanitizer --tool racecheck python benchmarks/sanitize_tc.py --mma-forward   # that forward only
     compute-sanitizer --tool racecheck python benchmarks/sanitize_tc.py --wgmma-forward   # the Hopper forward only
+    compute-sanitizer --tool racecheck python benchmarks/sanitize_tc.py --wgmma-backward  # the Hopper backward only
 
 The ``mma.sync`` forward and backward (both dQ routes) at head dims 40, 64, 128 and 256 (40: padded to 48
 in shared memory; 256: two 128-column slices per key tile; the forward also with 300 queries, so that a whole
@@ -20,6 +21,10 @@ stores), the ``wgmma`` forward's through the packed-pair epilogue.
 one), each persistent (one block per multiprocessor) and not, at 2 × 16 heads × 1100 rows (more work chunks than
 multiprocessors, so persistent blocks take several, causal ones in pairs) and at 300 queries over 131 keys (items that
 see no key), causal and not.
+
+``--wgmma-backward`` (sm_90): only the ``wgmma`` backward's defaults (the warp-specialised dK/dV kernel, copying
+by TMA) at D = 40, 64, 96 and 128, by both dQ routes, causal and not, on bshd views at 150 and 300 queries over
+131 keys (ragged tiles, query tiles that see no key, more query tiles than stages).
 
 ``--bulk-dq`` (sm_90): only the grid layout's atomic backward with ``bulk_dq`` (dQ by bulk reductions from shared
 memory, :mod:`nbflash.backward_tc`) at D = 64 and 128 — the atomic default there (128 × 128 and 64 × 128 tiles,
@@ -59,6 +64,20 @@ if "--bulk-dq" in sys.argv[1:]:
                                                deterministic=False)
     cp.cuda.Device().synchronize()
     print("sanitize_tc: bulk_dq kernels ran")
+    sys.exit(0)
+if "--wgmma-backward" in sys.argv[1:]:
+    for d in (40, 64, 96, 128):
+        for n_q in (150, 300):
+            long_q = cp.random.standard_normal((1, n_q, 2, d)).astype(cp.float16)
+            kv = long_q[:, :131]
+            for causal in (True, False):
+                o, lse = nbflash.attention(long_q, kv, kv, causal=causal, layout="bshd", return_lse=True,
+                                           backend="wgmma")
+                for det in (True, False):
+                    nbflash.attention_backward(long_q, long_q, kv, kv, o, lse, causal=causal, layout="bshd",
+                                               deterministic=det, backend="wgmma")
+    cp.cuda.Device().synchronize()
+    print("sanitize_tc: wgmma backward kernels ran")
     sys.exit(0)
 if "--wgmma-forward" in sys.argv[1:]:
     for d in (64, 128):

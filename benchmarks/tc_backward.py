@@ -65,7 +65,7 @@ KIND = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEVICE = "cuda"
 TOKENS, WIDTH = 16384, 2048  # timed shapes: batch · N and heads · D
-TAG = re.compile(r"(wg)?(\d+)x(\d+)(r?)(?:s(\d)(\d))?(?:g(\d)(\d)(b?)(e?))?(?:d(\d+))?(?:@(\d+))?")
+TAG = re.compile(r"(wg)?(\d+)x(\d+)(r?)(?:s(\d)(\d))?(w?)(?:g(\d)(\d)(b?)(e?))?(?:d(\d+))?(?:@(\d+))?")
 # (seqlen_q, seqlen_k, causal) of the candidates' check: ragged tiles, both causal shapes, whole blocks.
 SWEEP_CASES = [(97, 97, False), (200, 97, True), (97, 200, True), (1025, 1025, True), (2048, 2048, False)]
 
@@ -157,11 +157,11 @@ def is_wgmma(cfg) -> bool:
 def tag(cfg) -> str:
     """``64x128r``: block_m × block_n, ``r`` when the K/V fragments stay in registers; ``g42``: the grid layout's
     warp groups (``b``: bulk dQ; ``e``: dQ between the dV and dK products); ``wg128x64``: the wgmma backward's
-    block_m × block_n."""
+    block_m × block_n (``s<dK/dV stages><dQ stages>``; ``w``: the dK/dV kernel warp-specialised, copying by TMA)."""
     if is_wgmma(cfg):
         stages = "" if cfg.stages == 2 else f"s{cfg.dkdv_stages}{cfg.dq_stages}"
         cols = f"d{cfg.d_slice}" if cfg.d_slice else ""
-        return f"wg{cfg.block_m}x{cfg.block_n}{stages}{cols}"
+        return f"wg{cfg.block_m}x{cfg.block_n}{stages}{'w' if cfg.dkdv_ws else ''}{cols}"
     cols = f"d{cfg.d_slice}" if cfg.d_slice else ""
     grid = (f"g{cfg.warps_keys}{cfg.warps_dq_rows}{'b' if cfg.bulk_dq else ''}{'e' if cfg.dq_before_dk else ''}"
             if cfg.grid else "")
@@ -177,27 +177,27 @@ def parse_configs(spec: str, dims, kinds) -> list[T.TCBackwardConfig]:
     parsed = []
     for t in tags:
         m = TAG.fullmatch(t)
-        if not m or (m[1] and (m[4] or m[7])) or (m[5] and not m[1]):
+        if not m or (m[1] and (m[4] or m[8])) or ((m[5] or m[7]) and not m[1]):
             raise ValueError(
                 f"bad config tag {t!r}: expected <block_m>x<block_n>[r][g<key groups><dQ row groups>[b][e]][d<columns>]"
-                "[@<head dim>] or wg<block_m>x<block_n>[s<dK/dV stages><dQ stages>][d<columns>][@<head dim>], "
-                "e.g. 64x128r, 64x128g42, 32x64d64@256, wg128x64s23@128 or wg64x64d128@256"
+                "[@<head dim>] or wg<block_m>x<block_n>[s<dK/dV stages><dQ stages>][w][d<columns>][@<head dim>], "
+                "e.g. 64x128r, 64x128g42, 32x64d64@256, wg128x64s23@128, wg128x64s33w or wg64x64d128@256"
             )
         stages = (int(m[5]), int(m[6])) if m[5] else (2, 2)
-        grid = (int(m[7]), int(m[8]), m[9] == "b", m[10] == "e") if m[7] else (0, 0, False, False)
-        parsed.append((bool(m[1]), int(m[2]), int(m[3]), m[4] == "r", stages, grid, int(m[11] or 0),
-                       int(m[12]) if m[12] else None))
+        grid = (int(m[8]), int(m[9]), m[10] == "b", m[11] == "e") if m[8] else (0, 0, False, False)
+        parsed.append((bool(m[1]), int(m[2]), int(m[3]), m[4] == "r", stages, grid, int(m[12] or 0),
+                       int(m[13]) if m[13] else None, m[7] == "w"))
     cfgs = []
     for d in dims:
         for kind in kinds:
             default = T.choose_config(d, kind, simulator=False)
             mine = [default]
-            for wg, bm, bn, regs, stages, grid, cols, only in parsed:
+            for wg, bm, bn, regs, stages, grid, cols, only, ws in parsed:
                 if only is not None and only != d:
                     continue
                 if wg:
                     cfg = W.WGBackwardConfig(bm, bn, d, kind, dkdv_stages=stages[0], dq_stages=stages[1],
-                                             d_slice=cols)
+                                             d_slice=cols, dkdv_ws=ws)
                 else:
                     cfg = T.TCBackwardConfig(bm, bn, d, kind, kv_in_registers=regs, vector_red=default.vector_red,
                                              d_slice=cols, warps_keys=grid[0], warps_dq_rows=grid[1],
@@ -354,6 +354,13 @@ def sweep_row(cfgs, dtype, d, causal, n, routes, reps):
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
         ms = events_ms(lambda: torch.autograd.grad(o, (qs, ks, vs), do, retain_graph=True), reps)
     row["sdpa-flash"] = fl / ms / 1e9
+    try:  # cuDNN's backward, where this PyTorch build has it
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
+            ms = events_ms(lambda: torch.autograd.grad(o, (qs, ks, vs), do, retain_graph=True), reps)
+        row["sdpa-cudnn"] = fl / ms / 1e9
+    except RuntimeError as e:
+        row["sdpa-cudnn"] = f"{type(e).__name__}: {str(e)[:80]}"
     o_, lse = api.forward_arrays(*(as_cupy(x) for x in (q, k, v)), causal=causal, bf16_bits=dtype == torch.bfloat16)
     grads = [torch.empty_like(x) for x in (q, k, v)]
     cq, ck, cv, cdo, cdq, cdk, cdv = (as_cupy(x) for x in (q, k, v, do, *grads))
@@ -373,21 +380,24 @@ def sweep_row(cfgs, dtype, d, causal, n, routes, reps):
 
 
 def summarize(log, results):
-    """Per head dim and dtype: each candidate's geometric mean TFLOP/s and its range of ratios to SDPA flash."""
+    """Per head dim and dtype: each candidate's geometric mean TFLOP/s and its range of ratios to SDPA flash (and to
+    cuDNN, where every shape has it)."""
     for d, dt in dict.fromkeys((r["D"], r["dtype"]) for r in results):
         rows = [r for r in results if (r["D"], r["dtype"]) == (d, dt)]
         names = [k for k in rows[0] if k.startswith("nb-")]
-        log(f"summary D{d} {dt} ({len(rows)} shapes): geomean TFLOP/s, min-max ratio to sdpa-flash")
+        cudnn = all(isinstance(r.get("sdpa-cudnn"), float) for r in rows)
+        log(f"summary D{d} {dt} ({len(rows)} shapes): geomean TFLOP/s, min-max ratio to sdpa-flash"
+            + (", to sdpa-cudnn" if cudnn else ""))
         ranked = []
         for name in names:
             if not all(isinstance(r.get(name), float) for r in rows):
                 log(f"  {name:<20} failed to run on some shape")
                 continue
             tf = [r[name] for r in rows]
-            ratio = [r[name] / r["sdpa-flash"] for r in rows]
-            ranked.append((math.exp(statistics.fmean(math.log(x) for x in tf)), name, min(ratio), max(ratio)))
-        for gm, name, lo, hi in sorted(ranked, reverse=True):
-            log(f"  {name:<20} {gm:7.1f}   {lo:.2f}-{hi:.2f}")
+            ratios = [[r[name] / r[base] for r in rows] for base in ("sdpa-flash", "sdpa-cudnn")[:1 + cudnn]]
+            ranked.append((math.exp(statistics.fmean(math.log(x) for x in tf)), name, ratios))
+        for gm, name, ratios in sorted(ranked, reverse=True):
+            log(f"  {name:<20} {gm:7.1f}   " + "   ".join(f"{min(r):.2f}-{max(r):.2f}" for r in ratios))
 
 
 def sweep(args, log, env, save):

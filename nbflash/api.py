@@ -356,19 +356,24 @@ def attention_backward(
             route 145–225 (``bwd-kernels-NVIDIA-H200-2026-12-03-routes.json``, N = 1k–16k);
             at D = 256 97–167 against 79–118
             (``tc-backward-NVIDIA-H200-2026-12-02-wg256.json``);
-            *wgmma* (Hopper): deterministic — the
-            atomic route (dQ from each dK/dV block through a shared dSᵀ tile
-            and one more wgmma, added by ``red.global.add.v2.f32``) measured
-            0.75–0.86× its speed at D = 64 and 0.87–1.03× at D = 128 (N = 1k–16k,
-            bf16/fp16, ``tc-backward-atomic-…H200-2026-12-01.log``): the float32
-            reductions of dQ cost about what the second kernel's recomputation
-            does.  ``False`` takes it where the configuration has 64-query
-            streamed tiles (every GPU default; not the simulator's 16-row ones).
+            *wgmma* (Hopper): deterministic, except where its warp-specialised
+            dK/dV kernel runs at a padded D of 64 — there the atomic route (dQ
+            from each dK/dV block through a shared dSᵀ tile and one more wgmma,
+            added by ``red.global.add.v2.f32``: 5 products where the two kernels
+            do 7) measured 1.04–1.09× SDPA flash at N ≥ 2k against 0.99–1.03 for
+            the deterministic one, and at D = 128 slower (300 against 327 TFLOP/s
+            geomean; ``tc-backward-NVIDIA-H200-2026-12-04-ws2.json``).  Without
+            warp specialisation it measured 0.75–0.86× the deterministic route's
+            speed at D = 64 and 0.87–1.03× at D = 128 (2026-12-01).  ``False``
+            takes it where the configuration has 64-query streamed tiles (every
+            GPU default; not the simulator's 16-row ones).
         backend: ``"auto"`` (for float16/bfloat16: on a Hopper GPU (9.x)
             the wgmma backward of :mod:`nbflash.backward_wgmma` at head dims
-            that are multiples of 8 up to 128 — measured 1.03–1.25× SDPA's
-            FlashAttention-2 backward on the H200 at D = 128 and 0.91–1.16× at
-            D = 64 (N ≥ 1k; the 2026-12-01 defaults), against 0.96–1.10× for the ``mma.sync`` one's
+            that are multiples of 8 up to 128 — its warp-specialised defaults
+            measured 1.17–1.34× SDPA's FlashAttention-2 backward on the H200 at
+            D = 128 and 1.04–1.19× at D = 64, 0.61–0.74× cuDNN (N = 512–16k,
+            bf16 and fp16; ``tc-backward-NVIDIA-H200-2026-12-04-ws-final*.json``),
+            against 0.96–1.10× FlashAttention-2 for the ``mma.sync`` one's
             atomic default (2026-12-03);
             else — and on Hopper above D = 128 — the tensor-core backward of
             :mod:`nbflash.backward_tc` at head dims that are multiples of 8 up
@@ -447,10 +452,12 @@ def backward_arrays(
         )
 
 
-def plan_backward(head_dim: int, input_kind: str, scale: float, do, q, k, v, o, backend: str = "auto") -> Plan:
+def plan_backward(head_dim: int, input_kind: str, scale: float, do, q, k, v, o, backend: str = "auto",
+                  causal: bool = False) -> Plan:
     """Choose the backward kernels for validated inputs (canonical views or descriptors): the rule of
     :func:`plan_forward`, with the tensor-core backward's own constraints (head dim a multiple of 8 up to 256;
-    the wgmma backward's, on Hopper, up to 128).
+    the wgmma backward's, on Hopper, up to 128; its configuration depends on ``causal`` too,
+    :func:`nbflash.backward_wgmma.config_for`).
     The SIMT kernels copy their tiles by cp.async where the rows allow it (:func:`nbflash.backward.with_copies`)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -463,7 +470,7 @@ def plan_backward(head_dim: int, input_kind: str, scale: float, do, q, k, v, o, 
             why = f"the tensor cores take float16 and bfloat16, not {input_kind}"
         else:
             try:
-                cfg = _bwd_wg.choose_config(head_dim, input_kind)
+                cfg = _bwd_wg.config_for(head_dim, input_kind, do, q, k, v, o, causal)
                 why = _bwd_wg.can_implement(cfg, do, q, k, v, o)[1]
             except ValueError as e:
                 why = str(e)
@@ -475,7 +482,7 @@ def plan_backward(head_dim: int, input_kind: str, scale: float, do, q, k, v, o, 
         why = f"the tensor cores take float16 and bfloat16, not {input_kind}"
     elif (backend == "auto" and (compute_capability() or (0, 0))[0] == 9 and _bwd_wg.takes_head_dim(head_dim)
           and head_dim <= _bwd_wg.AUTO_MAX_HEAD_DIM):
-        wg = _bwd_wg.choose_config(head_dim, input_kind)
+        wg = _bwd_wg.config_for(head_dim, input_kind, do, q, k, v, o, causal)
         if _bwd_wg.can_implement(wg, do, q, k, v, o)[0]:
             return Plan("wgmma", wg, "float16/bfloat16 on sm_90: Hopper's wgmma")
     if not why:
@@ -514,8 +521,9 @@ def run_backward(
     ``deterministic=None``: the dQ route measured faster for the plan's kernels (see
     :func:`attention_backward`); ``empty(shape, dtype)`` allocates the scratch (default: q's array module).
     """
-    if deterministic is None:  # atomic dQ for SIMT, and for mma.sync from D = 64 where its tiles fit
-        deterministic = plan.backend == "wgmma" or (
+    if deterministic is None:  # atomic dQ for SIMT, for mma.sync from D = 64 where its tiles fit, and for wgmma where
+        # its warp-specialised dK/dV kernel runs at D <= 64
+        deterministic = (plan.backend == "wgmma" and not _bwd_wg.prefers_atomic(plan.config)) or (
             plan.backend == "tensor_core" and plan.config.d_pad <= 64
             and not _bwd_tc.choose_config(plan.config.head_dim, plan.config.input_kind, atomic=True).grid)
     flags = dict(deterministic=bool(deterministic), stream=stream, empty=empty)
@@ -542,7 +550,7 @@ def _backward(
     the recipe of ``key`` and replayed, as the forward)."""
     xp, layout = p.xp, p.layout
     cdo, cq, ck, cv, co = (canonical(a, layout) for a in (do, q, k, v, o))
-    plan = plan_backward(p.head_dim, p.input_kind, p.scale, cdo, cq, ck, cv, co, backend)
+    plan = plan_backward(p.head_dim, p.input_kind, p.scale, cdo, cq, ck, cv, co, backend, p.causal)
     dq, dk, dv = (xp.empty(a.shape, dtype=a.dtype) for a in (q, k, v))  # C-contiguous, in the caller's layout
     cdq, cdk, cdv = (canonical(a, layout) for a in (dq, dk, dv))
     arrays = (cdo, cq, ck, cv, co, lse, cdq, cdk, cdv)

@@ -52,6 +52,34 @@ With ``P_ij = exp(S_ij·scale − lse_i)`` recomputed tile by tile::
 
    Finally ``dK_j · scale`` and ``dV_j`` are written once.
 
+   **Warp specialisation** (``dkdv_ws``, the GPU default up to D = 128): the
+   block gets one more warpgroup, a *producer* that only copies, and the
+   computing warpgroups (the *consumers*) meet at no block-wide barrier in
+   the loop.  The producer's first thread copies with TMA (:mod:`nbflash.tma`):
+   K_j and V_j once, on their own mbarrier, then query tile i into stage
+   ``i % stages`` — Q_i's and dO_i's panels and one box of two rows that is
+   the tile's ``[lse2 | D]`` buffer (the scratch holds lse2 and D side by side,
+   so a 16-bit view of it is one tensor; past the last query the box brings
+   zeros, where Q_i and dO_i are zero too, so those columns add nothing).  One
+   ``arrive.expect_tx`` per tile announces all its bytes.  A consumer waits on
+   the stage's mbarrier (phase parity ``(i // stages) % 2``) instead of on
+   cp.async groups and a barrier, and hands the stage back by ``bar.arrive``
+   at named barrier ``EMPTY + s`` once its dV and dK products have finished;
+   the producer waits there (``bar.sync``) before refilling the stage::
+
+       producer (1 thread): K_j, V_j ─ tile 0 ─ tile 1 ─ EMPTY(0) ─ tile 2 ─ EMPTY(1) ─ tile 3 …
+       consumer 0:          wait(0) ─ Sᵀ, dPᵀ, Pᵀ, dV, dSᵀ, dK ─ EMPTY(0) ─ wait(1) ─ …
+       consumer 1:             wait(0) ─ Sᵀ, dPᵀ, Pᵀ, dV, dSᵀ, dK ─ EMPTY(0) ─ wait(1) ─ …
+
+   No thread of the consumers issues a copy or its address arithmetic, and
+   each consumer runs on as soon as its own tile has landed, so the two drift
+   apart and one's softmax and waits fall under the other's products.  With
+   two consumers (384 threads, 168 registers each at launch) the producer
+   gives registers back (``setmaxnreg``: 24 for it, 240 for each consumer, as
+   in :mod:`nbflash.forward_wgmma`) and its thread ends after its last
+   hand-over; it takes every release nobody refilled, so that each named
+   barrier's counts match.
+
    e. *Atomic route only* (``deterministic=False``; ``BLOCK_N`` a multiple of
       64): ``dQ_i += dS K_j`` here instead of in step 2.  The packed dSᵀ
       pairs go to a shared ``[key][query]`` tile (before the dK product is
@@ -62,7 +90,14 @@ With ``P_ij = exp(S_ij·scale − lse_i)`` recomputed tile by tile::
       the block's share, added into a float32 accumulator by
       ``red.global.add.v2.f32``.  The accumulator has whole tiles, rows and
       panels, so the additions need no bounds test (a branch there made
-      ptxas serialise every wgmma of the kernel, its C7514).
+      ptxas serialise every wgmma of the kernel, its C7514).  With ``dkdv_ws``
+      the consumers meet at a named barrier (``DS_READY``, consumers only)
+      over two dSᵀ tiles used in turn: a warpgroup writes tile i + 2's into
+      the buffer of tile i only after passing tile i + 1's barrier, which the
+      other warpgroup reaches after its reads of tile i; and dV, dK are
+      waited for before the dQ product, so that dSᵀ's A registers are free
+      for dS's (with both live, ptxas serialised the wgmmas at D = 128 within
+      240 registers, its C7512).
 
 2. **dQ** (grid: query tiles of ``BLOCK_M`` rows).  Q_i and dO_i are copied
    once; K_j, V_j stream past, two buffers each.  Per key tile: ``S = Q_i
@@ -75,15 +110,20 @@ With ``P_ij = exp(S_ij·scale − lse_i)`` recomputed tile by tile::
 
 2'. **Convert** (atomic route): ``dq = accumulator · scale`` by the SIMT
    kernel of :mod:`nbflash.backward`.  Measured on the H200 (bf16/fp16, N =
-   1k … 16k): 0.75–0.86× the deterministic route at D = 64 (64 keys per block:
-   twice the reductions per product of D = 128's 128) and 0.87–1.03× at D =
-   128, so ``deterministic=None`` keeps the two kernels.  FlashAttention-3
-   makes the same route pay with 128-key blocks and the reductions done
-   asynchronously from shared memory (TMA reduce-add by another warp).
+   1k … 16k), without warp specialisation: 0.75–0.86× the deterministic route
+   at D = 64 (64 keys per block: twice the reductions per product of D = 128's
+   128) and 0.87–1.03× at D = 128.  With the warp-specialised dK/dV kernel (128
+   keys per block, one consumer's reductions under the other's products) it is
+   the faster route at D ≤ 64 — 5 products instead of the two kernels' 7 — and
+   ``deterministic=None`` takes it there (:func:`prefers_atomic`); at D = 128 it
+   stays behind (the early wait of step 1e).  FlashAttention-3 issues these
+   reductions asynchronously from shared memory (TMA reduce-add by another
+   warp); that is not done here yet.
 
 So each tile's barrier finds every warpgroup done with the buffers it
 refills: with two buffers because every product was waited for before it,
-with three because the products still running read another buffer.
+with three because the products still running read another buffer (with
+``dkdv_ws``, the EMPTY hand-over of step 1 plays that part).
 The warpgroup index is made warp-uniform to ptxas
 (:func:`~nbflash._device.warp_uniform`), which otherwise serialises the wgmmas.
 
@@ -95,20 +135,24 @@ gradient columns, one block each (``WGBackwardConfig.d_slice``), as in
 dim and dV, dK (dQ) for its own panels only, B read N-major from the slice's
 first panel.
 
-Status (H200, ``tc-backward-NVIDIA-H200-2026-11-30-wgmma-defaults.json``,
-631e5e7, fp16/bf16, N = 1k … 16k, causal and not): D = 128 229 / 302 / 321
-TFLOP/s at N = 1k / 4k / 16k (bf16, non-causal), 1.03–1.25× SDPA's
-FlashAttention-2 backward over the grid; D = 64 0.91–1.13×; 0.58–0.70× cuDNN.
-``backend="auto"`` runs it on compute capability 9.x.  The first version (every
-product pair waited for at once, lse2 and D read from global memory in the
-softmax) reached 99–204.  Three buffers per streamed tile bought 1–3 % in the
-dQ kernel and lost in dK/dV, whose accumulators then cross tiles in registers
-(255 and spills at D = 128; 251 instead of 168 at D = 64).  With the shared
-tile copier's short path (3f5a8c4, ``tc-backward-…-copier.json``, bf16): 234 /
-309 / 333 at D = 128, 1.11–1.15× FlashAttention-2; 0.97–1.16× at D = 64;
-0.60–0.69× cuDNN.  The atomic dQ route (step 1e, 2026-12-01) does not beat
-it (see step 2').  Next: a producer warpgroup copying by TMA as in the forward,
-and the dQ reductions made asynchronous from shared memory.
+Status (H200, ``tc-backward-NVIDIA-H200-2026-12-04-ws-final*.json``, bf16 and
+fp16, N = 512 … 16k at batch·N = 16k, heads·D = 2048, causal and not, each
+kernel beside the previous default and SDPA's flash and cuDNN backwards in
+one run): the warp-specialised defaults reach 224 / 297 / 355 / 380 / 387 /
+392 TFLOP/s at D = 128 (bf16, non-causal), 1.07–1.22× the previous default
+(cp.async, a block barrier per tile), 1.17–1.34× SDPA's FlashAttention-2
+backward and 0.61–0.74× cuDNN (was 0.55–0.63 in the same run); at D = 64, by
+the atomic route, 0.99–1.16× the previous default, 1.04–1.19× FlashAttention-2
+and 0.62–0.74× cuDNN.  ``backend="auto"`` runs it on compute capability 9.x up
+to D = 128.  The way here: the first version (every product pair waited for
+at once, lse2 and D read from global memory in the softmax) reached 99–204;
+two commit groups per pair and lse2 / D staged a tile ahead 229–321
+(2026-11-30); three buffers per streamed tile bought 1–3 % in the dQ kernel
+and lost in dK/dV, whose accumulators then cross tiles in registers (255 and
+spills at D = 128); the warp-specialised dK/dV kernel 7–22 % at D = 128.
+Next: the dQ reductions asynchronous from shared memory (bulk reduce-add by
+the producer), which the single-pass route needs at D = 128, and the dQ
+kernel warp-specialised too.
 """
 
 from __future__ import annotations
@@ -122,26 +166,31 @@ import numpy as np
 from . import backward as bw
 from . import hopper as HW
 from . import intrinsics as I
+from . import tma as T
 from ._device import SIMULATOR, cuda, device_function, kernel, launch, max_shared_per_block, numba, warp_uniform
 from ._tiles import LOG2E, HeadDimSlices
 from ._validate import array_module, tile_rows_problem
 from .backward_tc import _make_pair_storer
 from .forward_tc import fragment_steps
-from .forward_wgmma import PANEL, rs_product, ss_product, supported_device, swizzled_tile_loader
+from .forward_wgmma import PANEL, REGISTERS, no_maps, rs_product, ss_product, supported_device, swizzled_tile_loader
 from .masking import d_key_range, d_query_range, d_row_key_end, d_tile_needs_mask
 
 __all__ = [
+    "WS_MIN_CAUSAL_KEYS_D64",
     "WGBackwardConfig",
     "can_implement",
     "choose_config",
     "compile_targets",
+    "config_for",
     "dkdv_wgmma_kernel",
     "dq_wgmma_kernel",
     "kernel_signature",
     "launch_backward_wgmma",
+    "prefers_atomic",
     "shared_bytes",
     "takes_atomic",
     "takes_head_dim",
+    "tensor_maps",
 ]
 
 
@@ -167,6 +216,10 @@ class WGBackwardConfig(HeadDimSlices):
     #: gradient columns per block, 64 or 128 (0: the whole padded head dim): above 128 the head dim is cut
     #: into slices, one block each, as in :mod:`nbflash.backward_tc` (each recomputes Sᵀ and dPᵀ over all of D)
     d_slice: int = 0
+    #: the dK/dV kernel warp-specialised (step 1, "ws"): a producer warpgroup copies K_j, V_j and each query
+    #: tile's Q_i, dO_i, lse2_i, D_i by TMA into ``dkdv_stages`` buffers (2 to 4), handed over by mbarriers;
+    #: the other warpgroups only compute, with no block-wide barrier in the loop
+    dkdv_ws: bool = False
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -181,9 +234,10 @@ class WGBackwardConfig(HeadDimSlices):
             raise ValueError(f"a padded head dim of {self.d_pad} needs d_slice (at most 128 gradient columns a block)")
         if self.input_kind not in ("float16", "bfloat16"):
             raise ValueError(f"input_kind must be 'float16' or 'bfloat16', got {self.input_kind!r}")
-        for name in ("dkdv_stages", "dq_stages"):
-            if getattr(self, name) not in (2, 3):
-                raise ValueError(f"{name} must be 2 or 3, got {getattr(self, name)}")
+        if self.dq_stages not in (2, 3):
+            raise ValueError(f"dq_stages must be 2 or 3, got {self.dq_stages}")
+        if self.dkdv_stages not in ((2, 3, 4) if self.dkdv_ws else (2, 3)):
+            raise ValueError(f"dkdv_stages must be 2 or 3 (2 to 4 with dkdv_ws), got {self.dkdv_stages}")
 
     @property
     def stages(self) -> int:
@@ -192,7 +246,25 @@ class WGBackwardConfig(HeadDimSlices):
 
     @property
     def threads(self) -> int:
+        """Threads that compute (64 rows per warpgroup): the dQ kernel's block, the dK/dV kernel's consumers."""
         return HW.WARPGROUP * (self.block_m // 64)
+
+    @property
+    def dkdv_threads(self) -> int:
+        """The dK/dV kernel's block: with ``dkdv_ws`` the producer warpgroup comes after the consumers."""
+        return self.threads + (HW.WARPGROUP if self.dkdv_ws else 0)
+
+    @property
+    def setmaxnreg(self) -> bool:
+        """Does the dK/dV kernel move registers from its producer to its consumers (ws with two consumer
+        warpgroups: 384 threads start at 168 registers each; then 24 and 240, as in the forward)?"""
+        return self.dkdv_ws and self.block_m == 128
+
+    @property
+    def column_buffers(self) -> int:
+        """Buffers of the streamed rows' lse2 and D in the dK/dV kernel: one per stage with ``dkdv_ws`` (they
+        come with the tile), else two (the next tile's staged while this one's are read)."""
+        return self.dkdv_stages if self.dkdv_ws else 2
 
     @property
     def d_pad(self) -> int:
@@ -202,14 +274,16 @@ class WGBackwardConfig(HeadDimSlices):
 
 def shared_offsets(cfg: WGBackwardConfig) -> tuple[int, int, int, int, int, int]:
     """16-bit element offsets of the two once-copied tiles (the first at 0: K, V or Q, dO), of the two
-    streamed tiles' buffers (``stages`` each), of the streamed rows' lse2 and D (float32, two buffers of
-    ``[lse2 × BLOCK_N, D × BLOCK_N]``; the dK/dV kernel's), and the end; both kernels share the layout."""
+    streamed tiles' buffers (``stages`` each), of the streamed rows' lse2 and D (float32,
+    :attr:`~WGBackwardConfig.column_buffers` buffers of ``[lse2 × BLOCK_N, D × BLOCK_N]``; the dK/dV
+    kernel's), and the end; both kernels share the layout.  Every tile starts 1024-byte aligned, every
+    lse2 / D buffer 128-byte aligned (TMA destinations)."""
     own = cfg.block_m * cfg.d_smem
     stream = cfg.block_n * cfg.d_smem
     a1, s0 = own, 2 * own
     s1 = s0 + cfg.stages * stream
     cols = s1 + cfg.stages * stream
-    return 0, a1, s0, s1, cols, cols + 2 * 2 * cfg.block_n * 2
+    return 0, a1, s0, s1, cols, cols + cfg.column_buffers * 2 * cfg.block_n * 2
 
 
 def ds_pitch(cfg: WGBackwardConfig) -> int:
@@ -221,8 +295,9 @@ def ds_pitch(cfg: WGBackwardConfig) -> int:
 @functools.cache
 def shared_bytes(cfg: WGBackwardConfig, atomic: bool = False) -> int:
     """Dynamic shared memory of the kernels; ``atomic``: the dK/dV kernel with dQ by atomics (step 1e), whose
-    dSᵀ tile follows the layout of :func:`shared_offsets`."""
-    return (shared_offsets(cfg)[-1] + (cfg.block_m * ds_pitch(cfg) if atomic else 0)) * 2
+    dSᵀ tile (two, alternating, with ``dkdv_ws``) follows the layout of :func:`shared_offsets`."""
+    ds_tiles = (2 if cfg.dkdv_ws else 1) if atomic else 0
+    return (shared_offsets(cfg)[-1] + ds_tiles * cfg.block_m * ds_pitch(cfg)) * 2
 
 
 class _Consts:
@@ -279,6 +354,51 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
     OWN_PANEL = c.OWN_PANEL
     dq_prod = rs_product(DQ_N, c.kind, M_STEPS)
 
+    # Warp specialisation (``cfg.dkdv_ws``): the consumers are threads 0 .. THREADS - 1, the producer warpgroup
+    # follows; its first thread issues every TMA copy.  mbarriers: one per stage ("tile it has landed"), then
+    # K_j / V_j's; named barriers EMPTY + s: "every consumer is done with stage s" (the consumers' bar.arrive,
+    # the producer's bar.sync before it refills the stage).
+    WS = cfg.dkdv_ws
+    CONSUMERS, BLOCK_THREADS = THREADS, cfg.dkdv_threads
+    ISSUER = CONSUMERS  # the producer's first thread
+    SETMAXNREG = cfg.setmaxnreg  # 384 threads start at 168 registers: the producer gives most of its own
+    PRODUCER_REGS, CONSUMER_REGS = REGISTERS
+    EMPTY, HANDSHAKE = 1, CONSUMERS + HW.WARPGROUP  # named barrier 0 is the block barrier
+    DS_READY = EMPTY + STAGES  # ws, step 1e: "every consumer has stored its rows of this tile's dSᵀ"
+    # ws, step 1e: dV and dK waited for before it, so that dSᵀ's A registers are free for its dS fragments and
+    # accumulators (with them live, 240 registers were too few at D = 128: ptxas serialised the wgmmas, C7512).
+    EARLY_WAIT = ATOMIC_DQ and WS
+    # Each tile's gradient products waited for before its buffers are handed back: with two cp.async buffers, and
+    # always with ws (the other consumer warpgroup's products fill the tensor cores meanwhile).  Otherwise (three
+    # buffers) they run on across the next tile's barrier, the accumulators crossing tiles in registers.
+    EACH_TILE = WS or STAGES == 2
+    N_BARS = STAGES + 1
+    OWN_BAR = STAGES
+    PANELS = D_SMEM // PANEL  # TMA boxes per tile: one per 64-column panel (columns past D arrive as zeros)
+    OWN_BYTES = 2 * BLOCK_M * D_SMEM * 2  # K_j and V_j
+    STREAM_BYTES = 2 * BLOCK_N * D_SMEM * 2 + 2 * COL_BUF * 2  # Q_i, dO_i, and the box of lse2_i and D_i
+
+    @device_function
+    def issue_own(smem, maps, bars, b, h, k_start):
+        """ws: K_j and V_j by TMA, one box per panel, on the mbarrier ``OWN_BAR``."""
+        T.mbarrier_arrive_expect_tx(bars, OWN_BAR, OWN_BYTES)
+        for p in range(PANELS):
+            T.tma_load_4d(smem, p * BLOCK_M * PANEL, maps[2], PANEL * p, k_start, h, b, bars, OWN_BAR)
+            T.tma_load_4d(smem, V_OFF + p * BLOCK_M * PANEL, maps[3], PANEL * p, k_start, h, b, bars, OWN_BAR)
+
+    @device_function
+    def issue_stream(smem, maps, bars, b, h, q_start, stage):
+        """ws: Q_i, dO_i (one box per panel) and lse2_i, D_i (one box of two rows: the ``[lse2 | D]`` buffer) of
+        the query tile at ``q_start`` into ``stage``; one arrival announces all their bytes at ``bars[stage]``."""
+        T.mbarrier_arrive_expect_tx(bars, stage, STREAM_BYTES)
+        for p in range(PANELS):
+            T.tma_load_4d(smem, Q_OFF + stage * STRIDE + p * BLOCK_N * PANEL, maps[0], PANEL * p, q_start, h, b,
+                          bars, stage)
+            T.tma_load_4d(smem, DO_OFF + stage * STRIDE + p * BLOCK_N * PANEL, maps[1], PANEL * p, q_start, h, b,
+                          bars, stage)
+        # The float32 pairs as 16-bit words: columns 2·q_start ... of rows 0 (lse2) and 1 (D).
+        T.tma_load_4d(smem, 2 * (COLS_F + stage * COL_BUF), maps[4], 2 * q_start, 0, h, b, bars, stage)
+
     @device_function
     def stage_columns(smem_f, base, lse2, delta, b, h, start, seqlen_q, tid):
         """lse2 and D of query rows ``start .. start + BLOCK_N - 1`` into ``smem_f[base ...]`` (plain loads
@@ -290,8 +410,9 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
             else:
                 smem_f[base + idx] = delta[b, h, row] if row < seqlen_q else ZERO
 
-    @kernel(fastmath=True)
-    def flash_backward_dkdv_wgmma(q, k, v, do, lse2, delta, dk, dv, dq_accum, qk_scale_log2, scale, causal):
+    # ws: 384 threads, so ptxas must keep to 65536 / 384 = 168 registers per thread until the roles split
+    @kernel(fastmath=True, launch_bounds=(BLOCK_THREADS, 1) if WS else None)
+    def flash_backward_dkdv_wgmma(q, k, v, do, lse2, delta, dk, dv, dq_accum, qk_scale_log2, scale, causal, maps):
         """One block: dK_j and dV_j for BLOCK_M keys of one (batch, head) (and, atomic route, their share of dQ)."""
         seqlen_q = q.shape[2]
         seqlen_k = k.shape[2]
@@ -310,6 +431,7 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
         smem = cuda.shared.array(0, numba.uint16, alignment=SMEM_ALIGN)
         smem_f = cuda.shared.array(0, numba.float32, alignment=SMEM_ALIGN)
         smem32 = cuda.shared.array(0, numba.uint32, alignment=SMEM_ALIGN)  # (step 1e: dSᵀ pairs in 32-bit words)
+        bars = cuda.shared.array(N_BARS, numba.uint64)  # ws: one mbarrier per stage, then K_j / V_j's
 
         S = cuda.local.array((N_TILES, 4), numba.float32)  # Sᵀ, then Pᵀ
         dP = cuda.local.array((N_TILES, 4), numba.float32)  # dPᵀ, then dSᵀ
@@ -352,7 +474,37 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
         q_begin, q_end = d_query_range(k_start, BLOCK_M, seqlen_q, seqlen_k, causal)
         i_first = q_begin // BLOCK_N
         n_tiles = (q_end + BLOCK_N - 1) // BLOCK_N - i_first
-        if n_tiles > 0:
+        if WS:
+            if tid == ISSUER:
+                for bar in range(N_BARS):
+                    T.mbarrier_init(bars, bar, 1)  # one arrival per phase: the issuer's expect_tx
+                T.fence_mbarrier_init()  # ... visible to the TMA unit (the async proxy) too
+            cuda.syncthreads()  # the mbarriers are initialised before anyone waits on them
+            if wg == WARPGROUPS:
+                # The producer: K_j, V_j once, then query tile it into stage it % STAGES as soon as every consumer
+                # is done with tile it - STAGES.  Its other threads only join the EMPTY handshakes.
+                if SETMAXNREG:
+                    HW.setmaxnreg_dec(PRODUCER_REGS)  # a few counters and addresses: the rest go to the consumers
+                if tid == ISSUER and n_tiles > 0:
+                    issue_own(smem, maps, bars, b, h, k_start)
+                for it in range(n_tiles):
+                    if it >= STAGES:
+                        HW.named_barrier_sync(EMPTY + it % STAGES, HANDSHAKE)
+                    if tid == ISSUER:
+                        issue_stream(smem, maps, bars, b, h, (i_first + it) * BLOCK_N, it % STAGES)
+                # The consumers release every tile; the releases nobody refilled are taken here, so that each
+                # named barrier's counts match before the block exits.
+                for it in range(max(n_tiles - STAGES, 0), n_tiles):
+                    HW.named_barrier_sync(EMPTY + it % STAGES, HANDSHAKE)
+                # Done: the thread ends here (ptxas keeps a decreased register count only if no instruction
+                # reachable after the decrease needs more).
+                return
+            if SETMAXNREG:
+                HW.setmaxnreg_inc(CONSUMER_REGS)  # a consumer: take the registers the producer gave back
+            if n_tiles > 0:
+                while not T.mbarrier_try_wait_parity(bars, OWN_BAR, 0):  # K_j, V_j have landed
+                    pass
+        elif n_tiles > 0:
             load_own(smem, 0, k, b, h, k_start, seqlen_k, tid)
             load_own(smem, V_OFF, v, b, h, k_start, seqlen_k, tid)
             load_stream(smem, Q_OFF, q, b, h, i_first * BLOCK_N, seqlen_q, tid)
@@ -362,18 +514,25 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
 
         for it in range(n_tiles):
             q_start = (i_first + it) * BLOCK_N
-            buf, nxt, lbuf = it % STAGES, (it + 1) % STAGES, it % 2
-            # Step 1 (each tile): Q_i, dO_i have landed (the only group in flight); start Q_{i+1}, dO_{i+1}.
-            I.cp_async_wait(0)
-            HW.fence_proxy_async()  # my cp.async writes → visible to the tensor cores (the async proxy)
-            # Everyone's copies and lse2 / D stores are visible; every warpgroup is done with the buffers
-            # refilled now: with 2 stages it waited for tile i - 1's products; with 3 the buffer is tile
-            # i - 2's, whose products finished before tile i - 1's Sᵀ (step 1b's wait).
-            cuda.syncthreads()
-            if it + 1 < n_tiles:
-                load_stream(smem, Q_OFF + nxt * STRIDE, q, b, h, q_start + BLOCK_N, seqlen_q, tid)
-                load_stream(smem, DO_OFF + nxt * STRIDE, do, b, h, q_start + BLOCK_N, seqlen_q, tid)
-                I.cp_async_commit()
+            buf, nxt = it % STAGES, (it + 1) % STAGES
+            lbuf = buf if WS else it % 2  # this tile's lse2 / D buffer
+            if WS:
+                # Step 1 (ws): the producer's copies of tile it have landed (the (it // STAGES)-th phase of
+                # the stage's mbarrier); nothing to start here.
+                while not T.mbarrier_try_wait_parity(bars, buf, (it // STAGES) % 2):
+                    pass
+            else:
+                # Step 1 (each tile): Q_i, dO_i have landed (the only group in flight); start Q_{i+1}, dO_{i+1}.
+                I.cp_async_wait(0)
+                HW.fence_proxy_async()  # my cp.async writes → visible to the tensor cores (the async proxy)
+                # Everyone's copies and lse2 / D stores are visible; every warpgroup is done with the buffers
+                # refilled now: with 2 stages it waited for tile i - 1's products; with 3 the buffer is tile
+                # i - 2's, whose products finished before tile i - 1's Sᵀ (step 1b's wait).
+                cuda.syncthreads()
+                if it + 1 < n_tiles:
+                    load_stream(smem, Q_OFF + nxt * STRIDE, q, b, h, q_start + BLOCK_N, seqlen_q, tid)
+                    load_stream(smem, DO_OFF + nxt * STRIDE, do, b, h, q_start + BLOCK_N, seqlen_q, tid)
+                    I.cp_async_commit()
 
             # Step 1a: Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ, the warpgroup's 64 keys × BLOCK_N queries: two
             # groups, so that Pᵀ is computed while dPᵀ is still on the tensor cores.
@@ -386,8 +545,8 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
             dpt = ss_prod(dpt, v_desc, do_desc + buf_off)
             HW.wgmma_commit_group()
             # lse2, D of tile i + 1 into the other buffer (read by nobody since the barrier): the loads'
-            # latency hides under the products.
-            if it + 1 < n_tiles:
+            # latency hides under the products.  (ws: they came with the tile.)
+            if not WS and it + 1 < n_tiles:
                 stage_columns(smem_f, COLS_F + (1 - lbuf) * COL_BUF, lse2, delta, b, h, q_start + BLOCK_N,
                               seqlen_q, tid)
             # Sᵀ is done, and so is every earlier group (they complete in order: tile i - 1's dV and dK
@@ -414,7 +573,7 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
             # Step 1c: dV_j += Pᵀ dO_i issued (Pᵀ packed from the accumulators, dO_i read N-major) ...
             for kk in range(N_STEPS):
                 p_frags(PA, S, kk, kk)
-            dv_t = HW.wgmma_fence_operand(HW.acc_from_array(dV, SLICE) if STAGES == 2 else dv_t)
+            dv_t = HW.wgmma_fence_operand(HW.acc_from_array(dV, SLICE) if EACH_TILE else dv_t)
             HW.wgmma_fence()
             dv_t = rs_prod(dv_t, PA, do_desc_n + buf_off)
             HW.wgmma_commit_group()
@@ -423,6 +582,7 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
             HW.acc_to_array(dpt, dP)
 
             # Step 1d: dSᵀ = Pᵀ ∘ (dPᵀ − D_col), and dK_j += dSᵀ Q_i.
+            ds_off = DS_OFF + (it % 2) * BLOCK_M * DS_PITCH if WS else DS_OFF  # step 1e's dSᵀ buffer
             for n in range(N_TILES):
                 for cc in range(2):
                     delta_c = smem_f[cols + BLOCK_N + 8 * n + 2 * t + cc]
@@ -432,25 +592,34 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
                 p_frags(SA, dP, kk, kk)
                 if ATOMIC_DQ:  # step 1e's dSᵀ: the packed pairs to the shared [key][query] tile (before the
                     # dK product is issued: a wgmma's A registers may not even be read while it runs)
-                    word = (DS_OFF + (16 * (tid // 32) + g) * DS_PITCH + 16 * kk + 2 * t) // 2
+                    word = (ds_off + (16 * (tid // 32) + g) * DS_PITCH + 16 * kk + 2 * t) // 2
                     smem32[word] = SA[kk, 0]
                     smem32[word + 4 * DS_PITCH] = SA[kk, 1]  # 8 keys down: 8 · DS_PITCH / 2 words
                     smem32[word + 4] = SA[kk, 2]  # 8 queries right
                     smem32[word + 4 * DS_PITCH + 4] = SA[kk, 3]
-            dk_t = HW.wgmma_fence_operand(HW.acc_from_array(dK, SLICE) if STAGES == 2 else dk_t)
+            dk_t = HW.wgmma_fence_operand(HW.acc_from_array(dK, SLICE) if EACH_TILE else dk_t)
             HW.wgmma_fence()
             dk_t = rs_prod(dk_t, SA, q_desc_n + buf_off)
             HW.wgmma_commit_group()
+            if EARLY_WAIT:  # dV, dK done before step 1e: dSᵀ's A registers are free for its own
+                HW.wgmma_wait_group(0)
+                HW.acc_to_array(HW.wgmma_fence_operand(dv_t), dV)
+                HW.acc_to_array(HW.wgmma_fence_operand(dk_t), dK)
             if ATOMIC_DQ:
                 # Step 1e: dQ_i += dS K_j, added into the float32 accumulator in global memory.  It needs
                 # every key of the tile: every warp's rows of dSᵀ are written.  (ldmatrix reads through the
-                # generic proxy, so no proxy fence.)
-                cuda.syncthreads()
+                # generic proxy, so no proxy fence.)  ws: the consumers only, at a named barrier; the two dSᵀ
+                # buffers alternate, and a warpgroup overwrites one only after passing the next tile's barrier,
+                # which the other reaches after its reads of this one.
+                if WS:
+                    HW.named_barrier_sync(DS_READY, CONSUMERS)
+                else:
+                    cuda.syncthreads()
                 if dq_share:
                     for mc in range(DQ_M_CHUNKS):
                         q_row0 = 64 * mc + 16 * (tid // 32 % 4)  # the warp's 16 queries of the chunk
                         for kk in range(M_STEPS):  # dS = (dSᵀ)ᵀ: ldmatrix.trans gives the A fragments
-                            a = I.ldmatrix_x4_trans(smem, DS_OFF + (16 * kk + bt_row) * DS_PITCH + q_row0 + bt_col)
+                            a = I.ldmatrix_x4_trans(smem, ds_off + (16 * kk + bt_row) * DS_PITCH + q_row0 + bt_col)
                             for i in range(4):
                                 DA[kk, i] = a[i]
                         dq_t = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(DQ_N))
@@ -465,17 +634,19 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
                             addr = dq_base + (q_start + q_row0 + g + 8 * r) * dq_row_bytes + 4 * dq_col0
                             for n in range(DQ_TILES):
                                 I.red_add_f32x2(addr + 32 * n, dQ[n, 2 * r], dQ[n, 2 * r + 1])
-                # (the next tile's barrier comes after every warp's ldmatrix of this dSᵀ)
-            if STAGES == 2:  # both products read Q_i, dO_i, refilled after the next barrier: wait here
+                # (the next tile's barrier comes after every warp's ldmatrix of this dSᵀ; ws: see above)
+            if EACH_TILE and not EARLY_WAIT:  # both products read Q_i, dO_i, refilled after the next barrier
                 HW.wgmma_wait_group(0)
                 HW.acc_to_array(HW.wgmma_fence_operand(dv_t), dV)
                 HW.acc_to_array(HW.wgmma_fence_operand(dk_t), dK)
+            if WS:  # every read of stage buf is done (the products above, the lse2 / D loads before them)
+                HW.named_barrier_arrive(EMPTY + buf, HANDSHAKE)
             # (3 stages: they run on under the next tile's barrier and Sᵀ, dPᵀ)
             dv_t = HW.wgmma_fence_operand(dv_t)
             dk_t = HW.wgmma_fence_operand(dk_t)
 
         I.cp_async_wait_all()  # nothing left in flight (also when no query tile sees these keys) ...
-        if STAGES == 3:  # ... nor any product
+        if not EACH_TILE:  # ... nor any product
             HW.wgmma_wait_group(0)
             HW.acc_to_array(HW.wgmma_fence_operand(dv_t), dV)
             HW.acc_to_array(HW.wgmma_fence_operand(dk_t), dK)
@@ -656,18 +827,24 @@ def takes_head_dim(head_dim: int) -> bool:
 
 
 @functools.cache
-def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR) -> WGBackwardConfig:
-    """The configuration for a head dim (a multiple of 8 up to 128), measured on the H200
-    (``tc-backward-NVIDIA-H200-2026-11-30-wgsweep.json``, bf16, N = 1k … 16k, causal and not).
+def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR,
+                  ws: bool = True) -> WGBackwardConfig:
+    """The configuration for a head dim (a multiple of 8 up to 256), measured on the H200.
 
-    GPU: D ≤ 64: one warpgroup, 64 × 64 (168 registers, 49 KB: three blocks per SM overlap each
-    other's products and softmax); D > 64: two warpgroups, 128 × 64 (245 registers in dK/dV, one
-    block per SM; level with 64 × 64 at N ≤ 4k, 3–7 % ahead at 16k), the dQ kernel with three K/V
-    buffers (1–3 % ahead of two on every shape of ``…-stages.json``; three in dK/dV spill).
-    D > 128 (compiled and simulated, not yet timed on the GPU): one warpgroup, 64 × 64, two slices of 128
-    gradient columns (193 KB of shared memory at D = 256; a padded D of 192 takes a zero panel), dQ by its
-    own kernel only (:func:`takes_atomic`).
-    Simulator: one warpgroup and 16-row streamed tiles (D > 128: the same slices).
+    GPU, D ≤ 128: two computing warpgroups, 128 keys × 64-query streamed tiles, the dQ kernel with three K/V
+    buffers (1–3 % ahead of two, ``tc-backward-NVIDIA-H200-2026-11-30-stages.json``), and the dK/dV kernel
+    warp-specialised (``dkdv_ws``: a producer warpgroup copying by TMA, 2 stages).  Against the kernels
+    without it, in one run (``tc-backward-NVIDIA-H200-2026-12-04-ws2.json``, bf16, N = 1k / 4k / 16k, causal
+    and not; geometric means): D = 128 327 TFLOP/s against 280 (128 × 64, cp.async, the previous default);
+    D = 64 252 by the atomic dQ route (:func:`prefers_atomic`) against 236 (one warpgroup, 64 × 64, three
+    blocks per SM, the previous default).  3 or 4 ws stages measured no faster than 2
+    (``…-12-04-ws.json``).  ``ws=False``: the best configuration without TMA (128 × 64, or 64 × 64 at D ≤ 64),
+    for arrays whose strides the TMA cannot step (:func:`config_for`).
+    D > 128 (timed at D = 256 only, where ``auto`` keeps the ``mma.sync`` backward): one warpgroup, 64 × 64,
+    two slices of 128 gradient columns (193 KB of shared memory at D = 256; a padded D of 192 takes a zero
+    panel), dQ by its own kernel only (:func:`takes_atomic`).
+    Simulator: one warpgroup and 16-row streamed tiles (D > 128: the same slices), without ws (the tests run
+    the ws kernel explicitly: a producer warpgroup doubles the simulated threads).
     """
     if not takes_head_dim(head_dim):
         raise ValueError(f"the wgmma backward takes head dims that are multiples of 8 up to 256, got {head_dim}")
@@ -676,9 +853,38 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
         return WGBackwardConfig(64, 16, head_dim, input_kind, d_slice=d_slice)
     if d_slice:
         return WGBackwardConfig(64, 64, head_dim, input_kind, d_slice=d_slice)
+    if ws:
+        return WGBackwardConfig(128, 64, head_dim, input_kind, dq_stages=3, dkdv_ws=True)
     if head_dim <= 64:
         return WGBackwardConfig(64, 64, head_dim, input_kind)
     return WGBackwardConfig(128, 64, head_dim, input_kind, dq_stages=3)
+
+
+#: At a padded D of 64, causal calls with fewer keys than this keep the configuration without TMA (one warpgroup,
+#: 64 × 64, three blocks per SM): 127 / 173 TFLOP/s against the ws kernel's 115 / 165 at 512 / 1k keys, even at 2k,
+#: behind from 4k (``tc-backward-NVIDIA-H200-2026-12-04-ws-final.json``, bf16 and fp16 alike).
+WS_MIN_CAUSAL_KEYS_D64 = 2048
+
+
+def config_for(head_dim: int, input_kind: str, do, q, k, v, o, causal: bool = False) -> WGBackwardConfig:
+    """:func:`choose_config`'s pick for these arrays (canonical ``(B, H, N, D)`` views or descriptors): the
+    configuration without TMA where the TMA cannot step along ``do``, ``q``, ``k`` or ``v`` (a stride that is not
+    a positive multiple of 16 bytes, as for k and v broadcast over heads), and for short causal calls at a
+    padded D of 64 (:data:`WS_MIN_CAUSAL_KEYS_D64`)."""
+    cfg = choose_config(head_dim, input_kind)
+    short = causal and cfg.d_pad <= PANEL and k.shape[2] < WS_MIN_CAUSAL_KEYS_D64
+    if cfg.dkdv_ws and (short or not can_implement(cfg, do, q, k, v, o)[0]):
+        cfg = choose_config(head_dim, input_kind, ws=False)
+    return cfg
+
+
+def prefers_atomic(cfg: WGBackwardConfig) -> bool:
+    """Does ``deterministic=None`` take the atomic dQ route for ``cfg``?  Where the warp-specialised dK/dV
+    kernel runs at a padded D of 64: there the atomic route (5 products, dQ added by ``red.global.add``) measured
+    1.05–1.11× SDPA flash against 0.99–1.03 for the deterministic one (7 products: the dQ kernel recomputes S
+    and dP), 252 against 236 TFLOP/s geometric mean; at D = 128 it measured slower (300 against 327:
+    ``tc-backward-NVIDIA-H200-2026-12-04-ws2.json``)."""
+    return cfg.dkdv_ws and cfg.d_pad <= PANEL and takes_atomic(cfg)
 
 
 def can_implement(cfg: WGBackwardConfig, *arrays, atomic: bool = False) -> tuple[bool, str]:
@@ -694,6 +900,9 @@ def can_implement(cfg: WGBackwardConfig, *arrays, atomic: bool = False) -> tuple
         return False, f"needs {need} bytes of shared memory per block, the device allows {limit}"
     # do, q, k, v are copied by cp.async; o (read by the SIMT preprocess) and the gradients by plain accesses
     why = tile_rows_problem(cfg.head_dim, ("do", "q", "k", "v", "o", "dq", "dk", "dv"), arrays, copied=4)
+    if not why and cfg.dkdv_ws:  # the dK/dV kernel copies them by TMA: strides of whole 16-byte units
+        why = next(filter(None, (T.stride_problem(name, a) for name, a in zip(("do", "q", "k", "v"), arrays,
+                                                                              strict=False))), "")
     return not why, why
 
 
@@ -731,8 +940,13 @@ def launch_backward_wgmma(cfg: WGBackwardConfig, do, q, k, v, o, lse, dq, dk, dv
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
     simt = bw.choose_config(head_dim, cfg.input_kind, simulator=SIMULATOR).dq  # steps 0 and 2'
-    delta = empty((batch, heads, seqlen_q), np.float32)
-    lse2 = empty((batch, heads, seqlen_q), np.float32)
+    # lse2 and D side by side, ``[b, h, 0 | 1, row]``, rows padded to whole 16 bytes: with ``dkdv_ws`` the TMA
+    # brings a query tile's lse2 and D as one box (its 16-bit view ``columns``: zeros past the last query).
+    pitch = -(-seqlen_q // 4) * 4
+    both = empty((batch, heads, 2, pitch), np.float32)
+    lse2, delta = (_view(both, (batch, heads, seqlen_q), both.strides[:2] + (4,), np.float32, 4 * pitch * i)
+                   for i in (0, 1))
+    columns = _view(both, (batch, heads, 2, 2 * seqlen_q), both.strides[:3] + (2,), np.uint16)
     # The atomic route's accumulator has whole query tiles and whole panels: step 1e adds every row and column
     # of its share without a bounds test (a branch there makes ptxas serialise the wgmmas); rows past the end
     # get zeros (dS is 0 there).  Step 0 clears all of it (its grid covers the padded rows), step 2' reads
@@ -743,9 +957,10 @@ def launch_backward_wgmma(cfg: WGBackwardConfig, do, q, k, v, o, lse, dq, dk, dv
     bw.launch_preprocess(simt, o, do, lse, delta, lse2, dq_accum, not deterministic, stream,
                          rows=seqlen_q if deterministic else rows)
     qk_scale_log2, sc = float(scale * LOG2E), float(scale)
+    maps = tensor_maps(cfg, do, q, k, v, columns) if cfg.dkdv_ws else no_maps()
     launch(dkdv_wgmma_kernel(cfg, not deterministic), (-(-seqlen_k // cfg.block_m) * cfg.slices, heads, batch),
-           (cfg.threads, 1, 1), stream, shared_bytes(cfg, not deterministic),
-           *(q, k, v, do, lse2, delta, dk, dv, dq_accum, qk_scale_log2, sc, bool(causal)))
+           (cfg.dkdv_threads, 1, 1), stream, shared_bytes(cfg, not deterministic),
+           *(q, k, v, do, lse2, delta, dk, dv, dq_accum, qk_scale_log2, sc, bool(causal), maps))
     if deterministic:
         launch(dq_wgmma_kernel(cfg), (-(-seqlen_q // cfg.block_m) * cfg.slices, heads, batch), (cfg.threads, 1, 1),
                stream, shared_bytes(cfg), *(q, k, v, do, lse2, delta, dq, qk_scale_log2, sc, bool(causal)))
@@ -753,26 +968,76 @@ def launch_backward_wgmma(cfg: WGBackwardConfig, do, q, k, v, o, lse, dq, dk, dv
         bw.launch_dq_convert(simt, dq_accum, dq, sc, stream)
 
 
+def _view(a, shape, strides, dtype, offset: int = 0):
+    """``a``'s memory from byte ``offset`` on, seen with ``shape``, ``strides`` (bytes) and ``dtype``: a NumPy or
+    CuPy array (``a`` C-contiguous, as ``empty`` makes it), or a kernel argument descriptor (a recorded call's
+    scratch, :class:`nbflash._launch.ArrayArg`)."""
+    dtype, shape, strides = np.dtype(dtype), tuple(shape), tuple(strides)
+    xp = array_module(a)
+    if xp is None:  # a descriptor
+        return a._replace(ptr=a.ptr + offset, shape=shape, strides=strides, dtype=dtype)
+    if xp is np:
+        return np.ndarray(shape, dtype, buffer=a, offset=offset, strides=strides)
+    return xp.ndarray(shape, dtype, memptr=a.data + offset, strides=strides)
+
+
+def tensor_maps(cfg: WGBackwardConfig, do, q, k, v, columns):
+    """The dK/dV kernel's ``maps`` with ``cfg.dkdv_ws``: the TMA tensor maps of q, do (boxes of ``block_n`` rows),
+    k, v (``block_m`` rows), 64 columns each, 128-byte swizzled, and of ``columns`` (lse2 and D as 16-bit words,
+    ``(B, H, 2, 2·N_q)``: boxes of both rows × ``2·block_n`` words, unswizzled).
+
+    As the forward's (:func:`nbflash.forward_wgmma.tensor_maps`): on the GPU a
+    :class:`nbflash._launch.Derived` argument, made for each launch's own pointers.
+    """
+    if SIMULATOR:
+        return T.stacked_maps(_map_specs(cfg.block_m, cfg.block_n, (q, do, k, v, columns)), PANEL)
+    from . import _launch
+
+    like = _launch.ArrayArg(0, (5, T.TENSOR_MAP_BYTES), (T.TENSOR_MAP_BYTES, 1), np.dtype(np.uint8))
+    return _launch.Derived(_maps_maker(cfg.block_m, cfg.block_n),
+                           tuple(map(_launch.describe, (q, do, k, v, columns))), like)
+
+
+def _map_specs(own_rows: int, stream_rows: int, arrays):
+    q, do, k, v, columns = arrays
+    return [(q, stream_rows), (do, stream_rows), (k, own_rows), (v, own_rows),
+            (columns, 2, 2 * stream_rows, HW.SWIZZLE_NONE)]
+
+
+@functools.cache
+def _maps_maker(own_rows: int, stream_rows: int):
+    """``make(sources, stream, device)`` of the dK/dV kernel's tensor maps (:func:`tensor_maps`)."""
+
+    def make(sources, stream: int, device: int):
+        return T.stacked_maps(_map_specs(own_rows, stream_rows, sources), PANEL, stream=stream, device=device)
+
+    return make
+
+
 def kernel_signature(cfg: WGBackwardConfig, name: str):
-    """The Numba argument types of kernel ``name`` ("dkdv", "dkdv_atomic" or "dq") for ``cfg`` (any strides)."""
+    """The Numba argument types of kernel ``name`` ("dkdv", "dkdv_atomic" or "dq") for ``cfg`` (any strides);
+    the dK/dV kernel's last argument is its tensor maps (:func:`tensor_maps`)."""
     from numba import types
 
     elem = types.float16 if cfg.input_kind == "float16" else types.uint16
     t4 = types.Array(elem, 4, "A")
     f3, f4 = types.Array(types.float32, 3, "A"), types.Array(types.float32, 4, "A")  # lse2, delta; dq_accum
-    grads = (t4, t4, f4) if name.startswith("dkdv") else (t4,)
-    return (t4, t4, t4, t4, f3, f3, *grads, types.float64, types.float64, types.boolean)
+    if name.startswith("dkdv"):
+        return (t4, t4, t4, t4, f3, f3, t4, t4, f4, types.float64, types.float64, types.boolean,
+                types.Array(types.uint8, 2, "C"))
+    return (t4, t4, t4, t4, f3, f3, t4, types.float64, types.float64, types.boolean)
 
 
 def compile_targets():
-    """``(name, cfg, kernel, signature, fastmath)`` for the GPU configurations (the PTX check, sm_90a)."""
+    """``(name, cfg, kernel, signature, fastmath)`` for the GPU configurations (the PTX check, sm_90a): the defaults,
+    and in bfloat16 at D = 64 and 128 the configurations without TMA (:func:`config_for`'s fallback)."""
     rows = []
-    for d in (40, 64, 96, 128, 256):
-        for kind in ("float16", "bfloat16"):
-            cfg = choose_config(d, kind, simulator=False)
-            rows.append(("flash_backward_dkdv_wgmma", cfg, dkdv_wgmma_kernel(cfg), kernel_signature(cfg, "dkdv"), True))
-            if takes_atomic(cfg):
-                rows.append(("flash_backward_dkdv_wgmma_atomic", cfg, dkdv_wgmma_kernel(cfg, True),
-                             kernel_signature(cfg, "dkdv_atomic"), True))
-            rows.append(("flash_backward_dq_wgmma", cfg, dq_wgmma_kernel(cfg), kernel_signature(cfg, "dq"), True))
+    cfgs = [choose_config(d, kind, simulator=False) for d in (40, 64, 96, 128, 256) for kind in ("float16", "bfloat16")]
+    cfgs += [choose_config(d, "bfloat16", simulator=False, ws=False) for d in (64, 128)]
+    for cfg in cfgs:
+        rows.append(("flash_backward_dkdv_wgmma", cfg, dkdv_wgmma_kernel(cfg), kernel_signature(cfg, "dkdv"), True))
+        if takes_atomic(cfg):
+            rows.append(("flash_backward_dkdv_wgmma_atomic", cfg, dkdv_wgmma_kernel(cfg, True),
+                         kernel_signature(cfg, "dkdv_atomic"), True))
+        rows.append(("flash_backward_dq_wgmma", cfg, dq_wgmma_kernel(cfg), kernel_signature(cfg, "dq"), True))
     return rows

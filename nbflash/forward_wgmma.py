@@ -1133,6 +1133,11 @@ def _no_maps(device: int):
         return cp.zeros((3, T.TENSOR_MAP_BYTES), np.uint8)
 
 
+def no_maps():
+    """The ``maps`` argument of a kernel that copies with cp.async (the current device's placeholder)."""
+    return _no_maps(0 if SIMULATOR else __import__("cupy").cuda.Device().id)
+
+
 def tensor_maps(cfg: WGConfig, q, k, v):
     """The kernel's ``maps``: TMA tensor maps of q (boxes of block_m rows), k and v (block_n rows) × 64 columns,
     128-byte swizzled, when ``cfg.copies == "tma"``; else a placeholder.
@@ -1143,7 +1148,7 @@ def tensor_maps(cfg: WGConfig, q, k, v):
     (:func:`nbflash.tma.stacked_maps` caches them by address).
     """
     if cfg.copies != "tma":
-        return _no_maps(0 if SIMULATOR else __import__("cupy").cuda.Device().id)
+        return no_maps()
     if SIMULATOR:
         return T.stacked_maps([(q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n)], PANEL)
     from . import _launch

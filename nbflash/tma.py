@@ -245,8 +245,10 @@ def _address(x) -> int:
 
 def stacked_maps(specs, box_cols: int = 64, swizzle: int = SWIZZLE_128B, stream: int = 0,
                  device: int | None = None):
-    """The tensor maps of ``specs`` (``(array, box_rows)`` pairs) as one ``(len(specs), 128)`` uint8 device array.
+    """The tensor maps of ``specs`` as one ``(len(specs), 128)`` uint8 device array.
 
+    Each spec is ``(array, box_rows)`` (boxes of ``box_cols`` columns with
+    ``swizzle``) or ``(array, box_rows, its_box_cols, its_swizzle)``.
     ``array``: a CuPy array or an :class:`~nbflash._launch.ArrayArg` descriptor
     (a NumPy array in the simulator).  On the GPU the maps are cached by each
     array's address, shape and strides (a map describes exactly those, not the
@@ -255,20 +257,20 @@ def stacked_maps(specs, box_cols: int = 64, swizzle: int = SWIZZLE_128B, stream:
     reads them is launched on ``stream`` (a raw handle), also when that launch
     is being captured into a CUDA graph (:class:`_MapStore`).
     """
+    boxes = [(x, rows, *(rest or (box_cols, swizzle))) for x, rows, *rest in specs]
     if SIMULATOR:
-        return np.stack([make_tensor_map(x, rows, box_cols, swizzle).map for x, rows in specs])
+        return np.stack([make_tensor_map(*box).map for box in boxes])
     import cupy as cp
 
     if device is None:
         device = cp.cuda.runtime.getDevice()
-    key = (box_cols, swizzle, *((_address(x), x.shape, x.strides, x.dtype.itemsize, rows) for x, rows in specs))
+    key = tuple((_address(x), x.shape, x.strides, x.dtype.itemsize, *box) for x, *box in boxes)
     store = _MapStore.of(device)
     maps = store.get(key, stream)
     if maps is None:
-        for x, rows in specs:
-            _check(x, rows, box_cols, swizzle)
-        maps = store.put(key, np.stack([_encode(_address(x), x, rows, box_cols, swizzle) for x, rows in specs]),
-                         stream)
+        for box in boxes:
+            _check(*box)
+        maps = store.put(key, np.stack([_encode(_address(x), x, *box) for x, *box in boxes]), stream)
     return maps
 
 
@@ -385,6 +387,15 @@ class _MapStore:
 # ----------------------------------------------------------------------------
 
 
+#: Simulator only: a completed phase's boxes are written into shared memory when a thread's
+#: :func:`mbarrier_try_wait_parity` first sees the phase complete (or, if nobody waits, when the barrier's
+#: next phase completes) instead of at once.  A thread that reads a stage without waiting on its
+#: mbarrier then reads the old bytes unless some other thread has waited first: a kernel whose readers all
+#: skip the wait fails instead of passing because the copying thread happened to run ahead
+#: (``tests/test_backward_wgmma.py`` sets it).
+SIM_TMA_LANDS_AT_WAIT = False
+
+
 class _SimMbarrier:
     """One mbarrier: the arrivals a phase waits for, those still missing, the bytes announced and not landed."""
 
@@ -395,13 +406,21 @@ class _SimMbarrier:
         self.tx = 0
         self.phase = 0
         self.copies = []  # (write, bytes) of the TMA copies issued in this phase, landed when it completes
+        self.unwritten = []  # with SIM_TMA_LANDS_AT_WAIT: the writes of a completed phase nobody has waited for
+
+    def _write_landed(self):  # with self.cond held
+        for write in self.unwritten:
+            write()
+        self.unwritten = []
 
     def _maybe_complete(self):  # with self.cond held
         """Complete the phase if every arrival came and the issued copies are all the bytes announced: the copies
         land now, as late as the hardware may let them (a reader that skipped the wait sees the old bytes)."""
         if self.pending == 0 and self.tx == sum(n for _, n in self.copies):
-            for write, _ in self.copies:
-                write()
+            self._write_landed()  # the previous phase's boxes, if nobody waited for them
+            self.unwritten = [write for write, _ in self.copies]
+            if not SIM_TMA_LANDS_AT_WAIT:
+                self._write_landed()
             self.copies = []
             self.tx = 0
             self.phase += 1
@@ -495,7 +514,10 @@ def _sim_mbarrier_try_wait_parity(bars, index, parity):
     with bar.cond:
         if bar.phase % 2 == int(parity):
             bar.cond.wait(0.001)
-        return bar.phase % 2 != int(parity)
+        done = bar.phase % 2 != int(parity)
+        if done:
+            bar._write_landed()
+        return done
 
 
 def _sim_tma_load_4d(smem, offset, tmap, c0, c1, c2, c3, bars, index):

@@ -373,7 +373,7 @@ def _gpu_backward(
         if layout == "bshd":
             arrays = [a if i == 5 else a.permute((0, 2, 1, 3)) for i, a in enumerate(arrays)]  # lse is (B, H, N)
         kind = "bfloat16" if q.dtype == torch.bfloat16 else str(q.dtype).removeprefix("torch.")
-        plan = _api.plan_backward(q.shape[3], kind, scale, *arrays[:5], backend)
+        plan = _api.plan_backward(q.shape[3], kind, scale, *arrays[:5], backend, causal)
         arena = _launch.Arena(len(arrays))
         with _launch.record() as launches:
             _api.run_backward(

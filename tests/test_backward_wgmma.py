@@ -22,6 +22,7 @@ from test_forward_wgmma import offline_rows
 import nbflash
 from nbflash import backward_wgmma as B
 from nbflash import intrinsics as I
+from nbflash import tma as T
 from nbflash._device import SIMULATOR, compute_capability
 
 hopper = pytest.mark.skipif(not SIMULATOR and (compute_capability() or (0, 0))[0] != 9,
@@ -35,6 +36,7 @@ def launch(cfg, do, q, k, v, o, lse, dq, dk, dv, scale, causal, deterministic):
 @pytest.fixture(autouse=True)
 def copies_land_at_their_wait(monkeypatch):
     monkeypatch.setattr(I, "SIM_CP_ASYNC_LANDS_AT_WAIT", True)
+    monkeypatch.setattr(T, "SIM_TMA_LANDS_AT_WAIT", True)
 
 
 # (kind, causal, seqlen_q, seqlen_k, head dim, layout)
@@ -77,6 +79,29 @@ def test_backward_wgmma_three_stages(xp, rng, kind, causal, n_q, n_k, d):
     check_against_reference(got, values, scale, causal, kind)
 
 
+# The warp-specialised dK/dV kernel (``dkdv_ws``): a producer warpgroup copies by TMA, the consumers wait on
+# mbarriers and hand the stages back by named barriers.  (kind, causal, seqlen_q, seqlen_k, head dim, block_m,
+# stages, layout)
+WS_CASES = [
+    ("bfloat16", True, 70, 37, 64, 64, 2, "bshd"),  # five query tiles through two stages; rows that see no key
+    ("float16", False, 37, 20, 40, 64, 3, "bhsd"),  # D padded to a panel (zero columns from the TMA); 3 stages
+    ("bfloat16", False, 20, 33, 96, 64, 4, "bhsd"),  # two panels; fewer query tiles (2) than stages (4)
+]
+
+
+@hopper
+@pytest.mark.parametrize("kind,causal,n_q,n_k,d,block_m,stages,layout", WS_CASES)
+def test_backward_wgmma_warp_specialized(xp, rng, kind, causal, n_q, n_k, d, block_m, stages, layout):
+    """Q_i, dO_i and the tile's lse2 / D land by TMA (one box of both rows, zeros past the last query) in
+    ``stages`` buffers that rotate; K_j, V_j once on their own mbarrier.  The simulator lands each box only
+    when its mbarrier's phase completes, so a consumer that read a stage before its wait would see old bytes."""
+    cfg = B.WGBackwardConfig(block_m, 16, d, kind, dkdv_stages=stages, dkdv_ws=True)
+    assert cfg.dkdv_threads == 2 * block_m + 128  # the consumers, then the producer
+    got, values, scale = run_backward(xp, rng, n_q, n_k, d, kind, causal, True, layout=layout, heads=1, cfg=cfg,
+                                      launch=launch)
+    check_against_reference(got, values, scale, causal, kind)
+
+
 # The atomic dQ route (step 1e): 64-query streamed tiles, the M of its wgmma.  (kind, causal, seqlen_q,
 # seqlen_k, head dim, block_m, layout)
 ATOMIC_CASES = [
@@ -88,11 +113,13 @@ ATOMIC_CASES = [
 
 @hopper
 @pytest.mark.parametrize("kind,causal,n_q,n_k,d,block_m,layout", ATOMIC_CASES)
-def test_backward_wgmma_atomic_dq(xp, rng, kind, causal, n_q, n_k, d, block_m, layout):
+@pytest.mark.parametrize("ws", [False, True])
+def test_backward_wgmma_atomic_dq(xp, rng, kind, causal, n_q, n_k, d, block_m, layout, ws):
     """dQ by float32 atomics inside the dK/dV kernel: dSᵀ through a shared tile, read back transposed by
     ldmatrix as the A operand of ``dQ_i += dS K_j`` (K_j N-major), each warpgroup adding its panel of
-    columns into the padded accumulator; then the SIMT conversion."""
-    cfg = B.WGBackwardConfig(block_m, 64, d, kind)
+    columns into the padded accumulator; then the SIMT conversion.  ``ws``: the warp-specialised kernel, its
+    consumers meeting at a named barrier over two alternating dSᵀ tiles."""
+    cfg = B.WGBackwardConfig(block_m, 64, d, kind, dkdv_ws=ws)
     assert B.takes_atomic(cfg)
     got, values, scale = run_backward(xp, rng, n_q, n_k, d, kind, causal, False, layout=layout, heads=1, cfg=cfg,
                                       launch=launch)
@@ -143,14 +170,16 @@ def test_api_backward_wgmma(xp, rng):
         np.testing.assert_allclose(host(g).astype(np.float32), host(w).astype(np.float32), atol=4e-3, rtol=2e-2)
 
 
-@pytest.mark.parametrize("backend,head_dim,default", [("simt", 16, False), ("tensor_core", 16, True),
-                                                      ("tensor_core", 64, True), ("tensor_core", 72, False),
-                                                      ("tensor_core", 128, False), ("wgmma", 16, True)])
-def test_default_dq_route(monkeypatch, backend, head_dim, default):
+@pytest.mark.parametrize("backend,head_dim,ws,default", [
+    ("simt", 16, False, False), ("tensor_core", 16, False, True), ("tensor_core", 64, False, None),
+    ("tensor_core", 72, False, False), ("tensor_core", 128, False, False), ("wgmma", 16, False, True),
+    ("wgmma", 64, True, False), ("wgmma", 40, True, False), ("wgmma", 72, True, True), ("wgmma", 128, True, True)])
+def test_default_dq_route(monkeypatch, backend, head_dim, ws, default):
     """``deterministic=None`` takes the dQ route ``attention_backward`` documents for each kernel family (atomic for
-    SIMT; for mma.sync deterministic up to a padded D of 64 and atomic above, as measured; deterministic for wgmma,
-    whose atomic route measured slower), and an explicit ``True``/``False`` reaches the launcher as given (wgmma:
-    where the configuration has the atomic route)."""
+    SIMT; for mma.sync deterministic up to a padded D of 64 unless its atomic tiles there are the warp grid, as on
+    sm_90 (``None`` above: read from its configuration), atomic above; for wgmma deterministic, but atomic where
+    the warp-specialised dK/dV kernel runs at a padded D of 64, as measured), and an explicit ``True``/``False``
+    reaches the launcher as given (wgmma: where the configuration has the atomic route)."""
     api = nbflash.api
     seen = []
 
@@ -162,20 +191,37 @@ def test_default_dq_route(monkeypatch, backend, head_dim, default):
     monkeypatch.setattr(api._bwd_wg, "launch_backward_wgmma", record)
     monkeypatch.setattr(api._bwd_wg, "can_implement", lambda *a, **kw: (True, ""))
     cfg = {"simt": object(), "tensor_core": nbflash.backward_tc.TCBackwardConfig(16, 32, head_dim, "float16"),
-           "wgmma": B.WGBackwardConfig(64, 64, 16, "float16")}[backend]
+           "wgmma": B.WGBackwardConfig(128 if ws else 64, 64, head_dim, "float16", dkdv_ws=ws)}[backend]
+    if default is None:
+        default = not nbflash.backward_tc.choose_config(head_dim, "float16", atomic=True).grid
     plan = api.Plan(backend, cfg, "test")
     x = np.zeros((1, 1, 4, 16), np.float16)
     for choice in (None, True, False):
         api.run_backward(plan, x, x, x, x, x, x, x, x, x, 0.25, False, deterministic=choice, stream=0)
     assert seen == [default, True, False]
+    if backend == "wgmma":
+        assert B.prefers_atomic(cfg) == (not default)
 
 
 def test_config_validation():
     for bad in (dict(block_m=96), dict(block_n=24), dict(head_dim=264), dict(head_dim=36), dict(input_kind="float32"),
-                dict(dq_stages=4), dict(dkdv_stages=1), dict(d_slice=96)):
+                dict(dq_stages=4), dict(dkdv_stages=1), dict(dkdv_stages=4), dict(d_slice=96),
+                dict(dkdv_stages=5, dkdv_ws=True)):
         args = dict(block_m=64, block_n=16, head_dim=64, input_kind="float16") | bad
         with pytest.raises(ValueError, match=next(iter(bad))):
             B.WGBackwardConfig(**args)
+    # The GPU defaults up to D = 128: two consumer warpgroups and a producer, registers moved by setmaxnreg; one
+    # lse2 / D buffer per stage.  Without TMA (config_for's fallback) the previous picks.
+    ws = B.choose_config(128, "bfloat16", simulator=False)
+    assert ws.dkdv_ws and ws.setmaxnreg and ws.dkdv_threads == 384 and ws.column_buffers == ws.dkdv_stages == 2
+    assert B.choose_config(64, "bfloat16", simulator=False) == B.WGBackwardConfig(128, 64, 64, "bfloat16", dq_stages=3,
+                                                                                  dkdv_ws=True)
+    assert B.choose_config(64, "bfloat16", simulator=False, ws=False) == B.WGBackwardConfig(64, 64, 64, "bfloat16")
+    assert not B.choose_config(128, "bfloat16", simulator=False, ws=False).dkdv_ws
+    four = B.WGBackwardConfig(128, 64, 128, "float16", dkdv_stages=4, dkdv_ws=True)  # four Q_i, dO_i buffers, four
+    assert B.shared_bytes(four) == (64 + 4 * 32) * 1024 + 4 * 2 * 64 * 4  # lse2 / D buffers
+    # step 1e with ws: two alternating dSᵀ tiles of 128 keys × (64 + 8) queries
+    assert B.shared_bytes(ws, True) == B.shared_bytes(ws) + 2 * 128 * 72 * 2
     with pytest.raises(ValueError, match="needs d_slice"):
         B.WGBackwardConfig(64, 16, 136, "float16")
     # Above D = 128: two slices of 128 columns; auto keeps the mma.sync backward there (measured faster).

@@ -377,9 +377,19 @@ from types import SimpleNamespace
 from nbflash import forward_wgmma, tma
 made = []
 def fake_maps(specs, box_cols, stream=0, device=None):
-    made.append([(x.ptr, x.shape, x.strides, rows) for x, rows in specs] + [stream, device])
+    made.append([(x.ptr, x.shape, x.strides, rows, *box) for x, rows, *box in specs] + [stream, device])
     return SimpleNamespace(data=SimpleNamespace(ptr=0x10000 + 0x100 * len(made)))
 tma.stacked_maps = fake_maps
+
+def direct(launches):  # directly made launches' parameter values (Derived maps made as a replay on stream 0x77
+    # makes them), and the maps made
+    made.clear()
+    values = []
+    for *_, args in launches:
+        args = [a.like._replace(ptr=a.make(a.sources, 0x77, 0).data.ptr) if type(a) is _launch.Derived else a
+                for a in args]
+        values.append(list(_launch._flatten(args)[1]))
+    return values, list(made)
 for layout in ("bhsd", "bshd"):
     d, dt = 128, np.float16
     base = 0x7E0000000000
@@ -404,14 +414,7 @@ for layout in ("bhsd", "bshd"):
     got_made = list(made)
     with _launch.record() as real:
         forward_wgmma.launch_forward_wgmma(plan.config, *arrays, 0.125, True, stream=0, check=False)
-    made.clear()
-    want = []
-    for *_, args in real:
-        args = [a.make(a.sources, 0x77, 0) if type(a) is _launch.Derived else a for a in args]
-        want.append(list(_launch._flatten([a if not isinstance(a, SimpleNamespace) else
-                                           _launch.ArrayArg(a.data.ptr, (3, 128), (128, 1), np.dtype(np.uint8))
-                                           for a in args])[1]))
-    want_made = list(made)
+    want, want_made = direct(real)
     cases.append(dict(case=f"forward tma {layout}", got=got, want=want, n=len(fake), scratch=0,
                       made=[got_made, want_made]))
     # Fresh pointers give fresh maps, made from them.
@@ -434,6 +437,40 @@ cases.append(dict(case="forward tma at D = 64", got=[[p.config.pipeline, p.confi
                                                      for p in plans],
                   want=[["ws", "tma", True], ["ws-overlap", "tma", True], ["ws-overlap", "tma", False],
                         ["ws-overlap", "tma", True]], n=1, scratch=0))
+# The Hopper backward's warp-specialised dK/dV kernel: its maps (q, do, k, v and the 16-bit view of the scratch
+# holding lse2 and D) made per replay from the replay's pointers, the scratch's from the arena's real base.
+from nbflash import backward_wgmma
+d, dt = 128, np.float16
+base = 0x7D0000000000
+ptrs = [base + i * 0x10000000 + 256 for i in range(10)]
+q, o, do, dq = (canon(desc(p, (B, Nq, H, d), dt)) for p in (ptrs[0], ptrs[3], ptrs[5], ptrs[6]))
+k, v, dk, dv = (canon(desc(p, (B, Nk, H, d), dt)) for p in (ptrs[1], ptrs[2], ptrs[7], ptrs[8]))
+lse = desc(ptrs[4], (B, H, Nq), np.float32)
+bplan = api.plan_backward(d, "float16", 0.125, do, q, k, v, o, "auto", True)
+assert bplan.backend == "wgmma" and bplan.config.dkdv_ws, bplan
+arrays = (do, q, k, v, o, lse, dq, dk, dv)
+arena = _launch.Arena(len(arrays))
+with _launch.record() as fake:
+    api.run_backward(bplan, *_launch.placeholder_args(arrays), 0.125, True, deterministic=None, stream=0,
+                     empty=arena)
+recipe = _launch.Recipe(fake, arena.nbytes)
+made.clear()
+got = recipe.values([a.ptr for a in arrays] + [ptrs[9]], stream=0x77, device=0)
+got_made = list(made)
+with _launch.record() as real:
+    api.run_backward(bplan, *arrays, 0.125, True, deterministic=None, stream=0, empty=RealArena(ptrs[9]))
+want, want_made = direct(real)
+cases.append(dict(case="backward wgmma ws", got=got, want=want, n=len(fake), scratch=recipe.scratch_bytes,
+                  made=[got_made, want_made]))
+# ... and its configuration without TMA where k, v are broadcast over heads, or for short causal calls at D = 64.
+shared_kv = desc(ptrs[1], (B, 1, Nk, d), dt)
+shared_kv = shared_kv._replace(shape=(B, H, Nk, d), strides=(shared_kv.strides[0], 0, *shared_kv.strides[2:]))
+x64 = desc(ptrs[0], (1, 2, 64, 64), np.float16)
+picks = [api.plan_backward(d, "float16", 0.125, do, q, shared_kv, shared_kv, o, "auto", True).config.dkdv_ws]
+picks += [api.plan_backward(64, "float16", 0.125, x64, x64, desc(ptrs[1], (1, 2, n, 64), np.float16),
+                            desc(ptrs[2], (1, 2, n, 64), np.float16), x64, "auto", causal).config.dkdv_ws
+          for n, causal in ((1024, True), (2048, True), (1024, False))]
+cases.append(dict(case="backward wgmma ws fallback", got=[picks], want=[[False, False, True, True]], n=1, scratch=0))
 print(json.dumps(cases))
 """
 
@@ -448,14 +485,16 @@ def test_recipe_replays_exactly_what_a_direct_launch_would_pass():
     assert out.returncode == 0, out.stderr[-3000:]
     cases = json.loads(out.stdout.strip().splitlines()[-1])
     # (forward + 2 backward) per backend: fp16, bf16 x 2 backends; fp32 SIMT; the TMA forward (2 layouts x 2, and
-    # its fallbacks)
-    assert len(cases) == 2 * 2 * 3 + 3 + 6
+    # its fallbacks); the ws backward and its fallbacks
+    assert len(cases) == 2 * 2 * 3 + 3 + 6 + 2
     for c in cases:
         assert c["n"] >= 1 and c["got"] == c["want"], c["case"]
-        if "made" in c:  # the replay made its tensor maps of q, k, v from exactly the direct launch's arrays
+        if "made" in c:  # the replay made its tensor maps from exactly the direct launch's arrays (q, k, v; the
+            # backward's q, do, k, v and its lse2 / D scratch), once
             got_made, want_made = c["made"]
-            assert got_made == want_made and len(got_made) == 1 and len(got_made[0]) == 5, c["case"]
-        if c["case"].startswith("backward"):
+            maps = 5 if c["case"].startswith("forward") else 7
+            assert got_made == want_made and len(got_made) == 1 and len(got_made[0]) == maps, c["case"]
+        if c["case"].startswith("backward") and "fallback" not in c["case"]:
             assert c["n"] == 3 and c["scratch"] > 0, c
     # The placeholders really were replaced: no value left in the placeholder range.
     for c in cases:
