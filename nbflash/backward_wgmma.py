@@ -984,34 +984,11 @@ def _view(a, shape, strides, dtype, offset: int = 0):
 def tensor_maps(cfg: WGBackwardConfig, do, q, k, v, columns):
     """The dK/dV kernel's ``maps`` with ``cfg.dkdv_ws``: the TMA tensor maps of q, do (boxes of ``block_n`` rows),
     k, v (``block_m`` rows), 64 columns each, 128-byte swizzled, and of ``columns`` (lse2 and D as 16-bit words,
-    ``(B, H, 2, 2·N_q)``: boxes of both rows × ``2·block_n`` words, unswizzled).
-
-    As the forward's (:func:`nbflash.forward_wgmma.tensor_maps`): on the GPU a
-    :class:`nbflash._launch.Derived` argument, made for each launch's own pointers.
-    """
-    if SIMULATOR:
-        return T.stacked_maps(_map_specs(cfg.block_m, cfg.block_n, (q, do, k, v, columns)), PANEL)
-    from . import _launch
-
-    like = _launch.ArrayArg(0, (5, T.TENSOR_MAP_BYTES), (T.TENSOR_MAP_BYTES, 1), np.dtype(np.uint8))
-    return _launch.Derived(_maps_maker(cfg.block_m, cfg.block_n),
-                           tuple(map(_launch.describe, (q, do, k, v, columns))), like)
-
-
-def _map_specs(own_rows: int, stream_rows: int, arrays):
-    q, do, k, v, columns = arrays
-    return [(q, stream_rows), (do, stream_rows), (k, own_rows), (v, own_rows),
-            (columns, 2, 2 * stream_rows, HW.SWIZZLE_NONE)]
-
-
-@functools.cache
-def _maps_maker(own_rows: int, stream_rows: int):
-    """``make(sources, stream, device)`` of the dK/dV kernel's tensor maps (:func:`tensor_maps`)."""
-
-    def make(sources, stream: int, device: int):
-        return T.stacked_maps(_map_specs(own_rows, stream_rows, sources), PANEL, stream=stream, device=device)
-
-    return make
+    ``(B, H, 2, 2·N_q)``: boxes of both rows × ``2·block_n`` words, unswizzled) — made for each launch's own
+    arrays on the GPU (:func:`nbflash.tma.launch_maps`)."""
+    sw = (PANEL, HW.SWIZZLE_128B)
+    return T.launch_maps((q, do, k, v, columns), [(cfg.block_n, *sw), (cfg.block_n, *sw), (cfg.block_m, *sw),
+                                                  (cfg.block_m, *sw), (2, 2 * cfg.block_n, HW.SWIZZLE_NONE)])
 
 
 def kernel_signature(cfg: WGBackwardConfig, name: str):

@@ -1140,32 +1140,12 @@ def no_maps():
 
 def tensor_maps(cfg: WGConfig, q, k, v):
     """The kernel's ``maps``: TMA tensor maps of q (boxes of block_m rows), k and v (block_n rows) × 64 columns,
-    128-byte swizzled, when ``cfg.copies == "tma"``; else a placeholder.
-
-    A map holds its array's address, so on the GPU this is a
-    :class:`nbflash._launch.Derived` argument: made for the launch's own
-    pointers and stream when it launches — at every replay of a recorded call
-    (:func:`nbflash.tma.stacked_maps` caches them by address).
-    """
+    128-byte swizzled, when ``cfg.copies == "tma"`` (:func:`nbflash.tma.launch_maps`: on the GPU made for each
+    launch's own arrays); else a placeholder."""
     if cfg.copies != "tma":
         return no_maps()
-    if SIMULATOR:
-        return T.stacked_maps([(q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n)], PANEL)
-    from . import _launch
-
-    like = _launch.ArrayArg(0, (3, T.TENSOR_MAP_BYTES), (T.TENSOR_MAP_BYTES, 1), np.dtype(np.uint8))
-    return _launch.Derived(_maps_maker(cfg.block_m, cfg.block_n), tuple(map(_launch.describe, (q, k, v))), like)
-
-
-@functools.cache
-def _maps_maker(q_rows: int, kv_rows: int):
-    """``make(sources, stream, device)`` of the tensor maps of q (boxes of ``q_rows`` rows), k and v."""
-
-    def make(sources, stream: int, device: int):
-        q, k, v = sources
-        return T.stacked_maps([(q, q_rows), (k, kv_rows), (v, kv_rows)], PANEL, stream=stream, device=device)
-
-    return make
+    box = (PANEL, HW.SWIZZLE_128B)
+    return T.launch_maps((q, k, v), [(cfg.block_m, *box), (cfg.block_n, *box), (cfg.block_n, *box)])
 
 
 def compile_targets():

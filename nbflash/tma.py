@@ -78,6 +78,7 @@ PTX: ``mbarrier.init``, ``mbarrier.arrive.expect_tx``, ``mbarrier.arrive``,
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from dataclasses import dataclass
@@ -101,6 +102,7 @@ from .intrinsics import _I32, _I64, _asm, _global_address, _is_flat_array, _is_i
 __all__ = [
     "TensorMap",
     "fence_mbarrier_init",
+    "launch_maps",
     "make_tensor_map",
     "mbarrier_arrive",
     "mbarrier_arrive_expect_tx",
@@ -272,6 +274,34 @@ def stacked_maps(specs, box_cols: int = 64, swizzle: int = SWIZZLE_128B, stream:
             _check(*box)
         maps = store.put(key, np.stack([_encode(_address(x), x, *box) for x, *box in boxes]), stream)
     return maps
+
+
+def launch_maps(arrays, boxes):
+    """A kernel's ``maps`` argument: the tensor maps of ``arrays``, array i with boxes of ``boxes[i]`` =
+    ``(box_rows, box_cols, swizzle)``.
+
+    In the simulator, the maps themselves.  On the GPU a map holds its
+    array's address, so this is a :class:`nbflash._launch.Derived` argument:
+    made for each launch's own pointers and stream when it launches — at every
+    replay of a recorded call (:func:`stacked_maps` caches them by address).
+    """
+    boxes = tuple(tuple(box) for box in boxes)
+    if SIMULATOR:
+        return stacked_maps([(x, *box) for x, box in zip(arrays, boxes, strict=True)])
+    from . import _launch
+
+    like = _launch.ArrayArg(0, (len(boxes), TENSOR_MAP_BYTES), (TENSOR_MAP_BYTES, 1), np.dtype(np.uint8))
+    return _launch.Derived(_maps_maker(boxes), tuple(map(_launch.describe, arrays)), like)
+
+
+@functools.cache
+def _maps_maker(boxes):
+    """``make(sources, stream, device)``: the tensor maps of ``sources`` with ``boxes`` (:func:`launch_maps`)."""
+
+    def make(sources, stream: int, device: int):
+        return stacked_maps([(x, *box) for x, box in zip(sources, boxes, strict=True)], stream=stream, device=device)
+
+    return make
 
 
 class _MapStore:

@@ -376,7 +376,7 @@ for kind, dt, d in (("float16", np.float16, 64), ("bfloat16", np.uint16, 128), (
 from types import SimpleNamespace
 from nbflash import forward_wgmma, tma
 made = []
-def fake_maps(specs, box_cols, stream=0, device=None):
+def fake_maps(specs, box_cols=64, stream=0, device=None):
     made.append([(x.ptr, x.shape, x.strides, rows, *box) for x, rows, *box in specs] + [stream, device])
     return SimpleNamespace(data=SimpleNamespace(ptr=0x10000 + 0x100 * len(made)))
 tma.stacked_maps = fake_maps
