@@ -65,7 +65,7 @@ KIND = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEVICE = "cuda"
 TOKENS, WIDTH = 16384, 2048  # timed shapes: batch · N and heads · D
-TAG = re.compile(r"(wg)?(\d+)x(\d+)(r?)(?:s(\d)(\d))?(w?)(?:g(\d)(\d)(b?)(e?))?(?:d(\d+))?(?:@(\d+))?")
+TAG = re.compile(r"(wg)?(\d+)x(\d+)(r?)(?:s(\d)(\d))?(w?)(?:g(\d)(\d)(b?)(e?))?(?:d(\d+))?(b?)(o?)(c?)(?:@(\d+))?")
 # (seqlen_q, seqlen_k, causal) of the candidates' check: ragged tiles, both causal shapes, whole blocks.
 SWEEP_CASES = [(97, 97, False), (200, 97, True), (97, 200, True), (1025, 1025, True), (2048, 2048, False)]
 
@@ -157,19 +157,23 @@ def is_wgmma(cfg) -> bool:
 def tag(cfg) -> str:
     """``64x128r``: block_m × block_n, ``r`` when the K/V fragments stay in registers; ``g42``: the grid layout's
     warp groups (``b``: bulk dQ; ``e``: dQ between the dV and dK products); ``wg128x64``: the wgmma backward's
-    block_m × block_n (``s<dK/dV stages><dQ stages>``; ``w``: the dK/dV kernel warp-specialised, copying by TMA)."""
+    block_m × block_n (``s<dK/dV stages><dQ stages>``; ``w``: the dK/dV kernel warp-specialised, copying by TMA;
+    ``b``: the atomic route's dQ by bulk reductions from shared memory; ``o``: its product issued under dV's and
+    dK's; ``c``: its 64-query chunks split between the warpgroups)."""
     if is_wgmma(cfg):
-        stages = "" if cfg.stages == 2 else f"s{cfg.dkdv_stages}{cfg.dq_stages}"
+        stages = "" if (cfg.dkdv_stages, cfg.dq_stages) == (2, 2) else f"s{cfg.dkdv_stages}{cfg.dq_stages}"
         cols = f"d{cfg.d_slice}" if cfg.d_slice else ""
-        return f"wg{cfg.block_m}x{cfg.block_n}{stages}{'w' if cfg.dkdv_ws else ''}{cols}"
+        flags = "".join(c for c, on in (("b", cfg.bulk_dq), ("o", cfg.dq_overlap), ("c", cfg.dq_chunk_split)) if on)
+        return f"wg{cfg.block_m}x{cfg.block_n}{stages}{'w' if cfg.dkdv_ws else ''}{cols}{flags}"
     cols = f"d{cfg.d_slice}" if cfg.d_slice else ""
     grid = (f"g{cfg.warps_keys}{cfg.warps_dq_rows}{'b' if cfg.bulk_dq else ''}{'e' if cfg.dq_before_dk else ''}"
             if cfg.grid else "")
     return f"{cfg.block_m}x{cfg.block_n}{'r' if cfg.kv_in_registers else ''}{grid}{cols}"
 
 
-def parse_configs(spec: str, dims, kinds) -> list[T.TCBackwardConfig]:
-    """The candidates of ``--configs``: per head dim and kind, the default first, then each tag (``@D``: that D only).
+def parse_configs(spec: str, dims, kinds, only: bool = False) -> list[T.TCBackwardConfig]:
+    """The candidates of ``--configs``: per head dim and kind, the ``mma.sync`` default first (not with ``only``),
+    then each tag (``@D``: that D only).
 
     A tag that is malformed, or names tiles that ``TCBackwardConfig`` refuses, raises ``ValueError``.
     """
@@ -177,27 +181,29 @@ def parse_configs(spec: str, dims, kinds) -> list[T.TCBackwardConfig]:
     parsed = []
     for t in tags:
         m = TAG.fullmatch(t)
-        if not m or (m[1] and (m[4] or m[8])) or ((m[5] or m[7]) and not m[1]):
+        if not m or (m[1] and (m[4] or m[8])) or ((m[5] or m[7] or m[13] or m[14] or m[15]) and not m[1]):
             raise ValueError(
                 f"bad config tag {t!r}: expected <block_m>x<block_n>[r][g<key groups><dQ row groups>[b][e]][d<columns>]"
-                "[@<head dim>] or wg<block_m>x<block_n>[s<dK/dV stages><dQ stages>][w][d<columns>][@<head dim>], "
-                "e.g. 64x128r, 64x128g42, 32x64d64@256, wg128x64s23@128, wg128x64s33w or wg64x64d128@256"
+                "[@<head dim>] or wg<block_m>x<block_n>[s<dK/dV stages><dQ stages>][w][d<columns>][b][o][c]"
+                "[@<head dim>], "
+                "e.g. 64x128r, 64x128g42, 32x64d64@256, wg128x64s23@128, wg128x64s33w, wg128x64wb or wg64x64d128@256"
             )
         stages = (int(m[5]), int(m[6])) if m[5] else (2, 2)
         grid = (int(m[8]), int(m[9]), m[10] == "b", m[11] == "e") if m[8] else (0, 0, False, False)
         parsed.append((bool(m[1]), int(m[2]), int(m[3]), m[4] == "r", stages, grid, int(m[12] or 0),
-                       int(m[13]) if m[13] else None, m[7] == "w"))
+                       int(m[16]) if m[16] else None, m[7] == "w", m[13] == "b", m[14] == "o", m[15] == "c"))
     cfgs = []
     for d in dims:
         for kind in kinds:
             default = T.choose_config(d, kind, simulator=False)
-            mine = [default]
-            for wg, bm, bn, regs, stages, grid, cols, only, ws in parsed:
+            mine = [] if only else [default]
+            for wg, bm, bn, regs, stages, grid, cols, only, ws, bulk, overlap, split in parsed:
                 if only is not None and only != d:
                     continue
                 if wg:
                     cfg = W.WGBackwardConfig(bm, bn, d, kind, dkdv_stages=stages[0], dq_stages=stages[1],
-                                             d_slice=cols, dkdv_ws=ws)
+                                             d_slice=cols, dkdv_ws=ws, bulk_dq=bulk, dq_overlap=overlap,
+                                             dq_chunk_split=split)
                 else:
                     cfg = T.TCBackwardConfig(bm, bn, d, kind, kv_in_registers=regs, vector_red=default.vector_red,
                                              d_slice=cols, warps_keys=grid[0], warps_dq_rows=grid[1],
@@ -209,7 +215,10 @@ def parse_configs(spec: str, dims, kinds) -> list[T.TCBackwardConfig]:
 
 
 def cfg_routes(cfg, routes):
-    """The dQ routes a candidate runs: the wgmma backward's atomic one needs 64-query streamed tiles."""
+    """The dQ routes a candidate runs: the wgmma backward's atomic one needs 64-query streamed tiles; ``bulk_dq``
+    changes the atomic route only."""
+    if is_wgmma(cfg) and (cfg.bulk_dq or cfg.dq_overlap) and False in routes:
+        return (False,)
     return (True,) if is_wgmma(cfg) and not W.takes_atomic(cfg) else routes
 
 
@@ -260,10 +269,10 @@ def compile_configs(log, cfgs, routes):
         info = {"compile_s": round(time.perf_counter() - t0, 1)}
         if is_wgmma(cfg):
             for name, kern in (("dkdv", W.dkdv_wgmma_kernel(cfg)), ("dq", W.dq_wgmma_kernel(cfg))):
-                info[name] = {**kernel_info(kern), "dynamic_smem": W.shared_bytes(cfg)}
+                info[name] = {**kernel_info(kern), "dynamic_smem": W.shared_bytes(cfg, name)}
             if False in cfg_routes(cfg, routes):
                 kern = W.dkdv_wgmma_kernel(cfg, True)
-                info["dkdv_atomic"] = {**kernel_info(kern), "dynamic_smem": W.shared_bytes(cfg, True)}
+                info["dkdv_atomic"] = {**kernel_info(kern), "dynamic_smem": W.shared_bytes(cfg, "dkdv_atomic")}
             log(f"compiled {tag(cfg)} D{cfg.head_dim} {cfg.input_kind}: {json.dumps(info)}")
             compiled.append((cfg, info))
             continue
@@ -407,7 +416,7 @@ def sweep(args, log, env, save):
     dtypes = [DTYPES[s] for s in args.dtypes.split(",")]
     dims = [int(x) for x in args.dims.split(",")]
     routes = (True, False) if args.atomic else (True,)
-    cfgs = parse_configs(args.configs, dims, [KIND[dt] for dt in dtypes])
+    cfgs = parse_configs(args.configs, dims, [KIND[dt] for dt in dtypes], args.only)
     defaults = {
         f"D{c.head_dim} {c.input_kind}": tag(c)
         for c in cfgs
@@ -456,6 +465,7 @@ def main():
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--configs", help="tile sweep: these candidates by tag (e.g. 64x64r,128x128r,64x128@128)")
     ap.add_argument("--atomic", action="store_true", help="tile sweep: time the atomic dQ route too")
+    ap.add_argument("--only", action="store_true", help="tile sweep: the candidates only, not the mma.sync default")
     ap.add_argument("--reps", type=int, default=20, help="tile sweep: timed repetitions per candidate and shape")
     ap.add_argument("--suffix", default="", help="appended to the JSON's file name")
     ap.add_argument("--no-simt", action="store_true", help="do not time the fp16/bf16 SIMT backward (slow)")
@@ -469,7 +479,7 @@ def main():
     dims = [int(x) for x in args.dims.split(",")]
     if args.configs:
         try:
-            parse_configs(args.configs, dims, [KIND[dt] for dt in dtypes])
+            parse_configs(args.configs, dims, [KIND[dt] for dt in dtypes], args.only)
         except ValueError as e:
             ap.error(str(e))
     lines = []
@@ -480,7 +490,7 @@ def main():
 
     if args.compile_part:  # a --jobs worker: its share of the candidates, both routes, into the disk cache
         i, n = (int(x) for x in args.compile_part.split("/"))
-        cfgs = parse_configs(args.configs, dims, [KIND[dt] for dt in dtypes])[i::n]
+        cfgs = parse_configs(args.configs, dims, [KIND[dt] for dt in dtypes], args.only)[i::n]
         compile_configs(log, cfgs, (True, False) if args.atomic else (True,))
         return
     env = environment()

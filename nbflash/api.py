@@ -356,15 +356,18 @@ def attention_backward(
             route 145–225 (``bwd-kernels-NVIDIA-H200-2026-12-03-routes.json``, N = 1k–16k);
             at D = 256 97–167 against 79–118
             (``tc-backward-NVIDIA-H200-2026-12-02-wg256.json``);
-            *wgmma* (Hopper): deterministic, except where its warp-specialised
-            dK/dV kernel runs at a padded D of 64 — there the atomic route (dQ
-            from each dK/dV block through a shared dSᵀ tile and one more wgmma,
-            added by ``red.global.add.v2.f32``: 5 products where the two kernels
-            do 7) measured 1.04–1.09× SDPA flash at N ≥ 2k against 0.99–1.03 for
-            the deterministic one, and at D = 128 slower (300 against 327 TFLOP/s
-            geomean; ``tc-backward-NVIDIA-H200-2026-12-04-ws2.json``).  Without
-            warp specialisation it measured 0.75–0.86× the deterministic route's
-            speed at D = 64 and 0.87–1.03× at D = 128 (2026-12-01).  ``False``
+            *wgmma* (Hopper): atomic where its warp-specialised dK/dV kernel
+            adds dQ by bulk reductions (the defaults up to D = 128: dQ from
+            each dK/dV block through a shared dSᵀ tile and one more wgmma,
+            staged in shared memory by each warp and added by one
+            ``cp.reduce.async.bulk`` per warp and tile; 5 products where the
+            two kernels do 7) — 1.07–1.18× the previous defaults, 1.15–1.50×
+            SDPA flash (``tc-backward-NVIDIA-H200-2026-12-04-bulk-final.json``);
+            deterministic elsewhere (by ``red.global.add.v2.f32`` the atomic
+            route measured 300 against 327 TFLOP/s at D = 128,
+            ``…-12-04-ws2.json``; without warp specialisation 0.75–0.86× the
+            deterministic route's speed at D = 64 and 0.87–1.03× at D = 128,
+            2026-12-01).  ``False``
             takes it where the configuration has 64-query streamed tiles (every
             GPU default; not the simulator's 16-row ones).
         backend: ``"auto"`` (for float16/bfloat16: on a Hopper GPU (9.x)
@@ -522,7 +525,7 @@ def run_backward(
     :func:`attention_backward`); ``empty(shape, dtype)`` allocates the scratch (default: q's array module).
     """
     if deterministic is None:  # atomic dQ for SIMT, for mma.sync from D = 64 where its tiles fit, and for wgmma where
-        # its warp-specialised dK/dV kernel runs at D <= 64
+        # its warp-specialised dK/dV kernel adds dQ by bulk reductions
         deterministic = (plan.backend == "wgmma" and not _bwd_wg.prefers_atomic(plan.config)) or (
             plan.backend == "tensor_core" and plan.config.d_pad <= 64
             and not _bwd_tc.choose_config(plan.config.head_dim, plan.config.input_kind, atomic=True).grid)

@@ -184,6 +184,7 @@ from ._validate import array_module, tile_rows_problem
 from .masking import d_key_range, d_query_range, d_row_key_end, d_tile_needs_mask
 
 __all__ = [
+    "DQTiles",
     "TCBackwardConfig",
     "can_implement",
     "choose_config",
@@ -198,6 +199,21 @@ __all__ = [
 ]
 
 KERNELS = ("dkdv", "dkdv_atomic", "dq")
+
+
+@dataclass(frozen=True)
+class DQTiles:
+    """The layout of a float32 dQ accumulator added to by bulk reductions (``bulk_dq`` here and in
+    :mod:`nbflash.backward_wgmma`): whole query tiles of ``rows`` queries × ``d_pad`` columns, each one
+    contiguous run, cut into the parts of ``warp_tile = (R, C)`` values that one warp computes, each part in
+    the mma's fragment order (:func:`dq_tile_position`).  ``input_kind`` and ``threads`` are step 2''s
+    (:func:`dq_tile_convert_kernel`: the output type, the block)."""
+
+    rows: int
+    d_pad: int
+    warp_tile: tuple[int, int]
+    input_kind: str
+    threads: int
 
 
 @dataclass(frozen=True)
@@ -290,6 +306,11 @@ class TCBackwardConfig(HeadDimSlices):
         """Step 1g's warp tile of dQ_i in the grid layout: (queries, columns) of one warp, ``warps_dq_rows`` warps
         down the ``block_m`` queries and the rest across the padded head dim."""
         return self.block_m // self.warps_dq_rows, self.d_pad * self.warps_dq_rows // self.warps
+
+    @property
+    def dq_tiles(self) -> DQTiles:
+        """``bulk_dq``'s accumulator layout: query tiles of ``block_m`` rows, parts of :attr:`dq_warp_tile`."""
+        return DQTiles(self.block_m, self.d_pad, self.dq_warp_tile, self.input_kind, self.threads)
 
     @property
     def warps(self) -> int:
@@ -614,66 +635,72 @@ def _make_dq_adder(cfg: TCBackwardConfig, m_tiles: int, n_tiles: int):
     return device_function(add_dq)
 
 
-def dq_tile_position(cfg: TCBackwardConfig):
-    """The ``bulk_dq`` accumulator's layout: ``position(r, c)``, where query ``r`` (< ``block_m``), column ``c``
-    (< the padded head dim) of a query tile's dQ_i lies among the tile's ``block_m · d_pad`` float32 values.
+def dq_tile_position(tiles: DQTiles):
+    """The bulk accumulator's layout (``cfg.dq_tiles``): ``position(r, c)``, where query ``r`` (< ``tiles.rows``),
+    column ``c`` (< ``tiles.d_pad``) of a query tile's dQ_i lies among the tile's ``rows · d_pad`` float32 values.
 
-    A query tile is one contiguous run (rows ``q_start .. q_start + block_m`` of a ``(B, H, N_q padded to whole
+    A query tile is one contiguous run (rows ``q_start .. q_start + rows`` of a ``(B, H, N_q padded to whole
     tiles, d_pad)`` array), so that each warp's part of it, written by the warp to shared memory in the same
     order, is one contiguous run too and one bulk reduction adds it (FlashAttention-3 keeps its dQ accumulator
-    in the MMA's fragment order for the same reason).  Warp ``w`` of step 1g's grid
-    (:attr:`~TCBackwardConfig.dq_warp_tile`) owns the ``w``-th run of ``R × C`` values; inside it, value ``i``
-    of lane ``lane``'s accumulator tile ``n`` (16 × 8, the mma's C fragment: row ``g + 8(i >> 1)``, column
-    ``2t + (i & 1)`` with ``g, t = lane >> 2, lane & 3``; tile ``n`` as in :func:`_make_tile_product`) is at
-    ``(4n + i) · 32 + lane``, so a warp's 32 stores of one (n, i) are 128 consecutive bytes: no bank conflict.
+    in the MMA's fragment order for the same reason).  The parts are numbered row-major over the tile's
+    ``rows / R × d_pad / C`` grid of warp tiles (``tiles.warp_tile = (R, C)``); inside one, value ``i`` of lane
+    ``lane``'s accumulator tile ``n`` (16 × 8, the mma's C fragment, which is also a warp's slice of a wgmma
+    accumulator: row ``g + 8(i >> 1)``, column ``2t + (i & 1)`` with ``g, t = lane >> 2, lane & 3``; tiles
+    ``n`` row-major over the part's 16 × 8 tiles) is at ``(4n + i) · 32 + lane``, so a warp's 32 stores of one
+    (n, i) are 128 consecutive bytes: no bank conflict.
     """
-    R, C = cfg.dq_warp_tile
-    WDQ = cfg.d_pad // C  # warps across the columns
-    N8 = C // 8  # 8-column accumulator tiles across a warp's columns
+    R, C = tiles.warp_tile
+    WDQ = tiles.d_pad // C  # parts across the columns
+    N8 = C // 8  # 8-column accumulator tiles across a part's columns
 
     def position(r, c):
-        warp = (r // R) * WDQ + c // C
-        rw, cw = r % R, c % C  # the warp's query and column
+        part = (r // R) * WDQ + c // C
+        rw, cw = r % R, c % C  # the part's query and column
         n = (rw // 16) * N8 + cw // 8
         lane = 4 * (rw % 8) + (cw % 8) // 2
         i = 2 * ((rw % 16) // 8) + cw % 2
-        return warp * R * C + (4 * n + i) * 32 + lane
+        return part * R * C + (4 * n + i) * 32 + lane
 
     return position
 
 
-def _make_dq_bulk_adder(cfg: TCBackwardConfig, stage: int):
-    """Step 1g with ``cfg.bulk_dq`` (sm_90): ``add_dq_bulk(dQ, smem_f, tile_address, warp, lane)`` adds a warp's
-    dQ accumulators (its :attr:`~TCBackwardConfig.dq_warp_tile`) into the query tile of the float32 accumulator
-    that starts at byte address ``tile_address``, through the warp's own part of a shared staging tile (float32
-    offset ``stage`` of ``smem_f``, laid out as :func:`dq_tile_position`) and the bulk copy engine:
+def _make_dq_bulk_adder(tiles: DQTiles, stage: int, pending: int = 0):
+    """Bulk dQ: ``add_dq_bulk(dQ, smem_f, tile_address, part, lane)`` adds a warp's dQ accumulators (part ``part``
+    of a query tile laid out as :func:`dq_tile_position`, ``tiles.warp_tile`` values) into the query tile of the
+    float32 accumulator that starts at byte address ``tile_address``, through the same part of a shared staging
+    tile (float32 offset ``stage`` of ``smem_f``) and the bulk copy engine:
 
-    1. lane 0 waits until the copy engine has read what the warp staged for the previous tile (one tile of work
-       ago, so it is long done), and the warp syncs: no lane overwrites the staging before that;
+    1. the warp waits until the copy engine has read what lane 0 handed over from this part last time (one
+       tile of work ago, so it is long done; ``pending``: the bulk groups lane 0 has committed since then,
+       which may still read), and syncs: no lane overwrites the staging before that;
     2. every lane stores its values and fences them to the async proxy, and the warp syncs;
     3. lane 0 starts one ``cp.reduce.async.bulk .add.f32`` of the warp's whole part, one group.
+
+    No branch: every lane executes the wait and the commit (the other lanes have no group, so theirs return at
+    once and close empty ones), and the reduction is predicated on ``lane == 0``
+    (:func:`~nbflash.hopper.bulk_reduce_add_f32_where`).  A branch around lane 0's instructions, between a
+    wgmma's issue and its wait, made ptxas serialise the wgmma kernels' products (its C7514).
 
     Only the warp's own lanes touch its part, so no block barrier is involved.  Rows past ``seqlen_q`` and
     columns of padding are added too — into the accumulator's padding, which step 2' does not read.  Before the
     kernel exits, lane 0 waits until the copy engine has read the last group (``bulk_wait_group_read(0)``).
     """
-    R, C = cfg.dq_warp_tile
+    R, C = tiles.warp_tile
     TILES = R * C // 128  # 16 × 8 accumulator tiles of a warp
     WARP_VALUES = R * C
 
-    def add_dq_bulk(dQ, smem_f, tile_address, warp, lane):
-        part = stage + warp * WARP_VALUES
-        if lane == 0:
-            H.bulk_wait_group_read(0)  # the copy engine has read this warp's previous dQ_i ...
+    def add_dq_bulk(dQ, smem_f, tile_address, part, lane):
+        at = stage + part * WARP_VALUES
+        H.bulk_wait_group_read(pending)  # the copy engine has read this part's previous dQ_i (lane 0's groups) ...
         syncwarp()  # ... before any lane of the warp overwrites it
+        mine = numba.uint64(at + lane)  # unsigned: no negative-index test per store (it cost registers)
         for n in range(TILES):
             for i in range(4):
-                smem_f[part + (4 * n + i) * 32 + lane] = dQ[n, i]
+                smem_f[mine + numba.uint64((4 * n + i) * 32)] = dQ[n, i]
         H.fence_proxy_async()  # my stores, visible to the copy engine (the async proxy) ...
         syncwarp()  # ... and every lane's, before lane 0 hands the part over
-        if lane == 0:
-            H.bulk_reduce_add_f32(tile_address + 4 * warp * WARP_VALUES, smem_f, part, 4 * WARP_VALUES)
-            H.bulk_commit_group()
+        H.bulk_reduce_add_f32_where(lane == 0, tile_address + 4 * part * WARP_VALUES, smem_f, at, 4 * WARP_VALUES)
+        H.bulk_commit_group()
 
     return device_function(add_dq_bulk)
 
@@ -994,7 +1021,7 @@ def _dkdv_grid_kernel(cfg: TCBackwardConfig, atomic_dq: bool):
     mma_into, pack_pair = _make_fragment_ops(cfg.input_kind)
     first_tile, next_tile = _make_query_stream(cfg, "dkdv_atomic" if atomic_dq else "dkdv")
     store_dkdv, add_dq = _make_dkdv_storer(cfg, KT, 2 * CP), _make_dq_adder(cfg, QTQ, 2 * CPQ)
-    add_dq_bulk = _make_dq_bulk_adder(cfg, off.get("dq", 0) // 2)
+    add_dq_bulk = _make_dq_bulk_adder(cfg.dq_tiles, off.get("dq", 0) // 2)
     # Sᵀ = K Qᵀ, dPᵀ = V dOᵀ: A = K (V) rows, B = Q (dO) rows; k = the head dim.
     s_product = _make_tile_product(KT, QP, K_STEPS, False, False, (16 * PITCH, 16), (16 * PITCH, 16), mma_into)
     # dV += Pᵀ dO, dK += dSᵀ Q: A = rows of the shared [key][query] tile, B = dO (Q) k-major; k = the queries.
@@ -1289,9 +1316,10 @@ def dq_tc_kernel(cfg: TCBackwardConfig):
 
 
 @functools.cache
-def dq_tile_convert_kernel(cfg: TCBackwardConfig):
-    """Step 2' for ``cfg.bulk_dq``: ``dq = accumulator · scale`` in the output type, read in the tiles' fragment
-    order (:func:`dq_tile_position`) by 16-byte loads, written by 16-byte stores.  One block per query tile.
+def dq_tile_convert_kernel(tiles: DQTiles):
+    """Step 2' of a bulk dQ route (``cfg.dq_tiles``): ``dq = accumulator · scale`` in the output type, read in the
+    tiles' fragment order (:func:`dq_tile_position`) by 16-byte loads, written by 16-byte stores.  One block per
+    query tile, ``tiles.threads`` threads.
 
     In a warp's part of the tile, the values ``i`` and ``i + 1`` (i even) of accumulator tile ``n`` are two runs
     of 32 floats, lane by lane; lanes ``4g .. 4g + 3`` of them hold row ``g`` (i = 0) or ``g + 8`` (i = 2) of
@@ -1302,14 +1330,14 @@ def dq_tile_convert_kernel(cfg: TCBackwardConfig):
     tile, tile after tile — so every load of a warp reads four whole 128-byte lines.  A row of ``dq`` that is
     not contiguous and 16-byte aligned gets element stores instead.
     """
-    store_pair = _make_pair_storer(cfg.input_kind)
-    pack = I.pack_bf16x2 if cfg.input_kind == "bfloat16" else I.pack_f16x2
-    R, C = cfg.dq_warp_tile
-    WDQ = cfg.d_pad // C  # warps across the columns
-    N8 = C // 8  # 8-column accumulator tiles across a warp's columns
-    TILES = R * C // 128  # 16 × 8 accumulator tiles of a warp
-    BLOCK_M, THREADS = cfg.block_m, cfg.threads
-    UNITS = BLOCK_M * cfg.d_pad // 8  # (row, 8 columns) units of a query tile
+    store_pair = _make_pair_storer(tiles.input_kind)
+    pack = I.pack_bf16x2 if tiles.input_kind == "bfloat16" else I.pack_f16x2
+    R, C = tiles.warp_tile
+    WDQ = tiles.d_pad // C  # parts across the columns
+    N8 = C // 8  # 8-column accumulator tiles across a part's columns
+    TILES = R * C // 128  # 16 × 8 accumulator tiles of a part
+    BLOCK_M, THREADS = tiles.rows, tiles.threads
+    UNITS = BLOCK_M * tiles.d_pad // 8  # (row, 8 columns) units of a query tile
 
     @kernel(fastmath=True)
     def flash_backward_dq_convert_tiled_tc(dq_accum, dq, scale):
@@ -1578,7 +1606,8 @@ def launch_backward_tc(
             *(q, k, v, do, lse2, delta, dq, qk_scale_log2, sc, bool(causal)),
         )
     elif bulk:
-        launch(dq_tile_convert_kernel(cfg), (q_tiles, heads, batch), (cfg.threads, 1, 1), stream, 0, dq_accum, dq, sc)
+        launch(dq_tile_convert_kernel(cfg.dq_tiles), (q_tiles, heads, batch), (cfg.threads, 1, 1), stream, 0, dq_accum,
+               dq, sc)
     else:
         bw.launch_dq_convert(simt, dq_accum, dq, sc, stream)
 
@@ -1600,7 +1629,7 @@ def kernel_signature(cfg: TCBackwardConfig, name: str):
 
 def _kernel(cfg: TCBackwardConfig, name: str):
     if name == "dq_convert_tiled":
-        return dq_tile_convert_kernel(cfg)
+        return dq_tile_convert_kernel(cfg.dq_tiles)
     return dq_tc_kernel(cfg) if name == "dq" else dkdv_tc_kernel(cfg, name == "dkdv_atomic")
 
 

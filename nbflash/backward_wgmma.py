@@ -87,17 +87,29 @@ With ``P_ij = exp(S_ij·scale − lse_i)`` recomputed tile by tile::
       barrier, then ``ldmatrix.trans`` reads dS back as A fragments (warp v:
       queries 16v …) and one registers × shared product of ``m64n64k16``
       per 64 queries (K_j N-major, one 64-column panel per warpgroup) gives
-      the block's share, added into a float32 accumulator by
-      ``red.global.add.v2.f32``.  The accumulator has whole tiles, rows and
-      panels, so the additions need no bounds test (a branch there made
-      ptxas serialise every wgmma of the kernel, its C7514).  With ``dkdv_ws``
+      the block's share, added into a float32 accumulator — by
+      ``red.global.add.v2.f32`` from registers, or with ``bulk_dq`` (the GPU
+      default) through shared memory: each warp stores its part of dQ_i to
+      its own part of a staging tile, in the accumulator's fragment order
+      (:attr:`WGBackwardConfig.dq_tiles`), fences it to the async proxy, and
+      its lane 0 starts one ``cp.reduce.async.bulk .add.f32`` of the part (4
+      KB, predicated, not branched); the warp waits for that read only when
+      it stages again a tile later, so the reductions run under the next
+      tile's products (FlashAttention-3 has a dedicated warp issue them).
+      The accumulator has whole tiles, rows and panels, so the additions need
+      no bounds test (a branch there made ptxas serialise every wgmma of the
+      kernel, its C7514).  With ``dkdv_ws``
       the consumers meet at a named barrier (``DS_READY``, consumers only)
       over two dSᵀ tiles used in turn: a warpgroup writes tile i + 2's into
       the buffer of tile i only after passing tile i + 1's barrier, which the
       other warpgroup reaches after its reads of tile i; and dV, dK are
       waited for before the dQ product, so that dSᵀ's A registers are free
       for dS's (with both live, ptxas serialised the wgmmas at D = 128 within
-      240 registers, its C7512).
+      240 registers, its C7512); the stage goes back right after that wait.
+      At D ≤ 64 (``dq_overlap``, the default there) dQ's product is issued
+      while dV's and dK's still run.  There warpgroup 0 computes all of dQ_i
+      while the other runs ahead into the next tile (``dq_chunk_split``, a
+      128-query tile's two chunks shared out, measured 2–10 % slower).
 
 2. **dQ** (grid: query tiles of ``BLOCK_M`` rows).  Q_i and dO_i are copied
    once; K_j, V_j stream past, two buffers each.  Per key tile: ``S = Q_i
@@ -109,16 +121,16 @@ With ``P_ij = exp(S_ij·scale − lse_i)`` recomputed tile by tile::
    ``dQ_i · scale`` written once.  No atomics: the same bits on every run.
 
 2'. **Convert** (atomic route): ``dq = accumulator · scale`` by the SIMT
-   kernel of :mod:`nbflash.backward`.  Measured on the H200 (bf16/fp16, N =
-   1k … 16k), without warp specialisation: 0.75–0.86× the deterministic route
-   at D = 64 (64 keys per block: twice the reductions per product of D = 128's
-   128) and 0.87–1.03× at D = 128.  With the warp-specialised dK/dV kernel (128
-   keys per block, one consumer's reductions under the other's products) it is
-   the faster route at D ≤ 64 — 5 products instead of the two kernels' 7 — and
-   ``deterministic=None`` takes it there (:func:`prefers_atomic`); at D = 128 it
-   stays behind (the early wait of step 1e).  FlashAttention-3 issues these
-   reductions asynchronously from shared memory (TMA reduce-add by another
-   warp); that is not done here yet.
+   kernel of :mod:`nbflash.backward` (with ``bulk_dq``: by
+   :func:`nbflash.backward_tc.dq_tile_convert_kernel`, which reads the
+   fragment order).  Measured on the H200 (bf16/fp16, N = 1k … 16k), without
+   warp specialisation: 0.75–0.86× the deterministic route at D = 64 and
+   0.87–1.03× at D = 128.  With the warp-specialised dK/dV kernel and
+   ``red.global.add`` it was the faster route at D ≤ 64 only (252 against 236
+   TFLOP/s geometric mean; at D = 128 300 against 327).  With bulk reductions
+   it is the faster route at every D ≤ 128 — 5 products instead of the two
+   kernels' 7 — and ``deterministic=None`` takes it (:func:`prefers_atomic`):
+   1.07–1.18× the previous defaults (``tc-backward-NVIDIA-H200-2026-12-04-bulk-final.json``).
 
 So each tile's barrier finds every warpgroup done with the buffers it
 refills: with two buffers because every product was waited for before it,
@@ -135,24 +147,25 @@ gradient columns, one block each (``WGBackwardConfig.d_slice``), as in
 dim and dV, dK (dQ) for its own panels only, B read N-major from the slice's
 first panel.
 
-Status (H200, ``tc-backward-NVIDIA-H200-2026-12-04-ws-final*.json``, bf16 and
+Status (H200, ``tc-backward-NVIDIA-H200-2026-12-04-bulk-final.json``, bf16 and
 fp16, N = 512 … 16k at batch·N = 16k, heads·D = 2048, causal and not, each
 kernel beside the previous default and SDPA's flash and cuDNN backwards in
-one run): the warp-specialised defaults reach 224 / 297 / 355 / 380 / 387 /
-392 TFLOP/s at D = 128 (bf16, non-causal), 1.07–1.22× the previous default
-(cp.async, a block barrier per tile), 1.17–1.34× SDPA's FlashAttention-2
-backward and 0.61–0.74× cuDNN (was 0.55–0.63 in the same run); at D = 64, by
-the atomic route, 0.99–1.16× the previous default, 1.04–1.19× FlashAttention-2
-and 0.62–0.74× cuDNN.  ``backend="auto"`` runs it on compute capability 9.x up
-to D = 128.  The way here: the first version (every product pair waited for
-at once, lse2 and D read from global memory in the softmax) reached 99–204;
-two commit groups per pair and lse2 / D staged a tile ahead 229–321
-(2026-11-30); three buffers per streamed tile bought 1–3 % in the dQ kernel
-and lost in dK/dV, whose accumulators then cross tiles in registers (255 and
-spills at D = 128); the warp-specialised dK/dV kernel 7–22 % at D = 128.
-Next: the dQ reductions asynchronous from shared memory (bulk reduce-add by
-the producer), which the single-pass route needs at D = 128, and the dQ
-kernel warp-specialised too.
+one run): the defaults — one pass, the warp-specialised dK/dV kernel adding
+dQ by bulk reductions — reach 246 / 331 / 390 / 429 / 451 / 459 TFLOP/s at
+D = 128 (bf16, non-causal), 1.07–1.18× the previous defaults (the same
+kernel without step 1e, then the dQ kernel; at D = 64 step 1e by
+``red.global.add``), 1.15–1.50× SDPA's FlashAttention-2 backward and
+0.69–0.84× cuDNN (0.71–0.84 from N = 2k).  ``backend="auto"`` runs it on
+compute capability 9.x up to D = 128.  The way here: the first version
+(every product pair waited for at once, lse2 and D read from global memory
+in the softmax) reached 99–204; two commit groups per pair and lse2 / D
+staged a tile ahead 229–321 (2026-11-30); three buffers per streamed tile
+bought 1–3 % in the dQ kernel and lost in dK/dV, whose accumulators then
+cross tiles in registers (255 and spills at D = 128); the warp-specialised
+dK/dV kernel 7–22 % at D = 128; dQ by bulk reductions in it, one pass, 7–18 %.
+Next: the consumers' per-tile meeting at ``DS_READY`` (both wait for the
+slower one's dSᵀ) and the early wait at D = 128; dSᵀ as a shared-memory A
+operand (no ldmatrix, fewer registers).
 """
 
 from __future__ import annotations
@@ -164,6 +177,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import backward as bw
+from . import backward_tc as bt
 from . import hopper as HW
 from . import intrinsics as I
 from . import tma as T
@@ -220,6 +234,19 @@ class WGBackwardConfig(HeadDimSlices):
     #: tile's Q_i, dO_i, lse2_i, D_i by TMA into ``dkdv_stages`` buffers (2 to 4), handed over by mbarriers;
     #: the other warpgroups only compute, with no block-wide barrier in the loop
     dkdv_ws: bool = False
+    #: the atomic route's dQ (step 1e) staged in shared memory by each warp and added by the bulk copy engine,
+    #: one ``cp.reduce.async.bulk .add.f32`` per warp and tile, instead of ``red.global.add`` from registers;
+    #: the accumulator then holds whole query tiles in fragment order (:attr:`dq_tiles`)
+    bulk_dq: bool = False
+    #: the atomic route in the ws kernel: dQ's product issued while the tile's dV and dK products still run
+    #: (False: both waited for first, which frees dSᵀ's A registers — needed at D = 128, where ptxas otherwise
+    #: serialised the wgmmas within 240 registers)
+    dq_overlap: bool = False
+    #: the atomic route with two warpgroups and a slice of one panel (D ≤ 64): they split the streamed tile's
+    #: 64-query chunks (``block_n = 128``: one each) instead of warpgroup 0 computing all of dQ_i.  Balanced,
+    #: but measured 2–10 % slower on the H200 (``tc-backward-NVIDIA-H200-2026-12-04-bulk2.json`` against
+    #: ``…-bulk.json``): with warpgroup 0 alone on dQ_i, the other runs ahead into the next tile's products
+    dq_chunk_split: bool = False
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -238,11 +265,15 @@ class WGBackwardConfig(HeadDimSlices):
             raise ValueError(f"dq_stages must be 2 or 3, got {self.dq_stages}")
         if self.dkdv_stages not in ((2, 3, 4) if self.dkdv_ws else (2, 3)):
             raise ValueError(f"dkdv_stages must be 2 or 3 (2 to 4 with dkdv_ws), got {self.dkdv_stages}")
-
-    @property
-    def stages(self) -> int:
-        """Buffers per streamed tile in the shared layout (both kernels use one layout)."""
-        return max(self.dkdv_stages, self.dq_stages)
+        if (self.bulk_dq or self.dq_overlap) and not takes_atomic(self):
+            raise ValueError(f"bulk_dq and dq_overlap are the atomic dQ route's: {_atomic_refusal(self)}")
+        if self.dq_overlap and not self.dkdv_ws:
+            raise ValueError("dq_overlap orders the ws kernel's products: it needs dkdv_ws")
+        groups = self.block_m // 64
+        if self.dq_chunk_split and not (groups > 1 and self.dq_cols == self.slice_cols
+                                        and (self.block_n // 64) % groups == 0 and takes_atomic(self)):
+            raise ValueError("dq_chunk_split needs two warpgroups, one panel of dQ columns (D <= 64) and "
+                             "block_n = 128 (a 64-query chunk for each)")
 
     @property
     def threads(self) -> int:
@@ -271,18 +302,35 @@ class WGBackwardConfig(HeadDimSlices):
         """D rounded up to whole 64-column panels; the padding is zero in shared memory."""
         return -(-self.head_dim // PANEL) * PANEL
 
+    @property
+    def dq_cols(self) -> int:
+        """Step 1e: columns of dQ_i one warpgroup computes — half of the slice each when that is whole 64-column
+        panels (the B operand's), else all of it."""
+        half = self.slice_cols // (self.block_m // 64)
+        return half if half % PANEL == 0 else self.slice_cols
 
-def shared_offsets(cfg: WGBackwardConfig) -> tuple[int, int, int, int, int, int]:
+    @property
+    def dq_tiles(self) -> bt.DQTiles:
+        """``bulk_dq``'s accumulator layout: query tiles of ``block_n`` rows; a warp's part is its 16 queries of a
+        64-query chunk × its warpgroup's :attr:`dq_cols` columns (the rows of a wgmma accumulator's warp)."""
+        return bt.DQTiles(self.block_n, self.d_pad, (16, self.dq_cols), self.input_kind, self.threads)
+
+
+#: The kernels, as :func:`shared_bytes` and :func:`kernel_signature` name them.
+KERNELS = ("dkdv", "dkdv_atomic", "dq")
+
+
+def shared_offsets(cfg: WGBackwardConfig, stages: int) -> tuple[int, int, int, int, int, int]:
     """16-bit element offsets of the two once-copied tiles (the first at 0: K, V or Q, dO), of the two
-    streamed tiles' buffers (``stages`` each), of the streamed rows' lse2 and D (float32,
-    :attr:`~WGBackwardConfig.column_buffers` buffers of ``[lse2 × BLOCK_N, D × BLOCK_N]``; the dK/dV
-    kernel's), and the end; both kernels share the layout.  Every tile starts 1024-byte aligned, every
-    lse2 / D buffer 128-byte aligned (TMA destinations)."""
+    streamed tiles' buffers (``stages`` each: the kernel's own count), of the streamed rows' lse2 and D
+    (float32, :attr:`~WGBackwardConfig.column_buffers` buffers of ``[lse2 × BLOCK_N, D × BLOCK_N]``; the
+    dK/dV kernel's), and the end.  Every tile starts 1024-byte aligned, every lse2 / D buffer 128-byte
+    aligned (TMA destinations)."""
     own = cfg.block_m * cfg.d_smem
     stream = cfg.block_n * cfg.d_smem
     a1, s0 = own, 2 * own
-    s1 = s0 + cfg.stages * stream
-    cols = s1 + cfg.stages * stream
+    s1 = s0 + stages * stream
+    cols = s1 + stages * stream
     return 0, a1, s0, s1, cols, cols + cfg.column_buffers * 2 * cfg.block_n * 2
 
 
@@ -292,22 +340,33 @@ def ds_pitch(cfg: WGBackwardConfig) -> int:
     return cfg.block_n + 8
 
 
+def dq_staging(cfg: WGBackwardConfig) -> tuple[int, int, int]:
+    """16-bit element offset of step 1e's shared tiles in the dK/dV kernel: the dSᵀ tile (two, alternating, with
+    ``dkdv_ws``), then with ``bulk_dq`` the float32 staging of dQ_i (:attr:`~WGBackwardConfig.dq_tiles`' order,
+    16-byte aligned for the bulk copies) — returned as ``(dS offset, staging offset, end)``."""
+    ds = shared_offsets(cfg, cfg.dkdv_stages)[-1]
+    staging = ds + (2 if cfg.dkdv_ws else 1) * cfg.block_m * ds_pitch(cfg)
+    assert staging % 8 == 0  # 16 bytes
+    return ds, staging, staging + (2 * cfg.block_n * cfg.d_pad if cfg.bulk_dq else 0)
+
+
 @functools.cache
-def shared_bytes(cfg: WGBackwardConfig, atomic: bool = False) -> int:
-    """Dynamic shared memory of the kernels; ``atomic``: the dK/dV kernel with dQ by atomics (step 1e), whose
-    dSᵀ tile (two, alternating, with ``dkdv_ws``) follows the layout of :func:`shared_offsets`."""
-    ds_tiles = (2 if cfg.dkdv_ws else 1) if atomic else 0
-    return (shared_offsets(cfg)[-1] + ds_tiles * cfg.block_m * ds_pitch(cfg)) * 2
+def shared_bytes(cfg: WGBackwardConfig, name: str = "dkdv") -> int:
+    """Dynamic shared memory of kernel ``name`` (:data:`KERNELS`): each kernel has its own number of stages;
+    ``"dkdv_atomic"`` adds step 1e's tiles (:func:`dq_staging`)."""
+    if name == "dkdv_atomic":
+        return dq_staging(cfg)[-1] * 2
+    return shared_offsets(cfg, cfg.dq_stages if name == "dq" else cfg.dkdv_stages)[-1] * 2
 
 
 class _Consts:
     """The constants both kernels derive from a configuration."""
 
-    def __init__(self, cfg: WGBackwardConfig):
+    def __init__(self, cfg: WGBackwardConfig, stages: int):
         self.BLOCK_M, self.BLOCK_N, self.D, self.D_PAD = cfg.block_m, cfg.block_n, cfg.head_dim, cfg.d_pad
         self.SLICE, self.D_SMEM = cfg.slice_cols, cfg.d_smem
         self.THREADS, self.DKDV_STAGES, self.DQ_STAGES = cfg.threads, cfg.dkdv_stages, cfg.dq_stages
-        _, self.A1, self.S0, self.S1, cols, _ = shared_offsets(cfg)
+        _, self.A1, self.S0, self.S1, cols, _ = shared_offsets(cfg, stages)
         self.COLS_F = cols // 2  # float32 offset of the lse2 / D buffers
         self.STRIDE = cfg.block_n * cfg.d_smem  # elements from one streamed buffer to the other
         self.N_TILES = cfg.block_n // 8  # 8-column tiles of the shared × shared products
@@ -327,7 +386,7 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
     """The compiled dK/dV kernel (step 1) for one configuration (cached); ``atomic_dq`` adds step 1e."""
     if atomic_dq and not takes_atomic(cfg):
         raise ValueError(_atomic_refusal(cfg))
-    c = _Consts(cfg)
+    c = _Consts(cfg, cfg.dkdv_stages)
     BLOCK_M, BLOCK_N, D, THREADS = c.BLOCK_M, c.BLOCK_N, c.D, c.THREADS
     V_OFF, Q_OFF, DO_OFF, STRIDE, STAGES = c.A1, c.S0, c.S1, c.STRIDE, c.DKDV_STAGES
     N_TILES, D_TILES, N_STEPS = c.N_TILES, c.D_TILES, c.N_STEPS
@@ -347,10 +406,20 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
     COLS_F, COL_BUF = c.COLS_F, 2 * BLOCK_N  # lse2 / D buffers: float32 offset, floats per buffer
     # Step 1e (atomic dQ): the shared dSᵀ tile, and which columns of dQ_i each warpgroup computes — half of the
     # block's slice each when that is whole 64-column panels, else all of it by warpgroup 0.
-    ATOMIC_DQ, DS_OFF, DS_PITCH = atomic_dq, shared_offsets(cfg)[-1], ds_pitch(cfg)
+    ATOMIC_DQ, DS_PITCH = atomic_dq, ds_pitch(cfg)
+    DS_OFF, STAGING, _ = dq_staging(cfg)
     WARPGROUPS = BLOCK_M // 64
-    DQ_N = SLICE // WARPGROUPS if (SLICE // WARPGROUPS) % PANEL == 0 else SLICE
+    DQ_N = cfg.dq_cols
+    WDQ = SLICE // DQ_N  # warpgroups with a share of dQ_i's columns
     DQ_TILES, DQ_M_CHUNKS, M_STEPS = DQ_N // 8, BLOCK_N // 64, BLOCK_M // 16
+    # The 64-query chunks of dQ_i a warpgroup computes: all of them (for its columns), or with
+    # ``dq_chunk_split`` (all columns) its own share of them.
+    CHUNK_SPLIT = ATOMIC_DQ and cfg.dq_chunk_split
+    MY_CHUNKS = DQ_M_CHUNKS // WARPGROUPS if CHUNK_SPLIT else DQ_M_CHUNKS
+    # bulk_dq: each warp's part of dQ_i through its own part of the shared staging tile; when a warp stages a
+    # chunk, its groups committed since it last staged that one are the tile's other chunks.
+    BULK_DQ = ATOMIC_DQ and cfg.bulk_dq
+    add_dq_bulk = bt._make_dq_bulk_adder(cfg.dq_tiles, STAGING // 2, MY_CHUNKS - 1)
     OWN_PANEL = c.OWN_PANEL
     dq_prod = rs_product(DQ_N, c.kind, M_STEPS)
 
@@ -367,7 +436,7 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
     DS_READY = EMPTY + STAGES  # ws, step 1e: "every consumer has stored its rows of this tile's dSᵀ"
     # ws, step 1e: dV and dK waited for before it, so that dSᵀ's A registers are free for its dS fragments and
     # accumulators (with them live, 240 registers were too few at D = 128: ptxas serialised the wgmmas, C7512).
-    EARLY_WAIT = ATOMIC_DQ and WS
+    EARLY_WAIT = ATOMIC_DQ and WS and not cfg.dq_overlap
     # Each tile's gradient products waited for before its buffers are handed back: with two cp.async buffers, and
     # always with ws (the other consumer warpgroup's products fill the tensor cores meanwhile).  Otherwise (three
     # buffers) they run on across the next tile's barrier, the accumulators crossing tiles in registers.
@@ -447,9 +516,11 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
                 dV[n, i] = ZERO
         # Step 1e: warpgroup wg adds columns dq_col0 .. dq_col0 + DQ_N - 1 of dQ_i (none when it has no share);
         # its warp v reads queries 16v .. 16v + 15 of each 64-query chunk (the A rows of a wgmma).
-        dq_share = wg * DQ_N < SLICE  # warp-uniform: this warpgroup has a share of the slice's columns
-        dq_col0 = c0 + wg * DQ_N
-        dq_base = I.global_address(dq_accum, (b, h, 0, 2 * t)) if ATOMIC_DQ else numba.int64(0)
+        dq_group = 0 if CHUNK_SPLIT else wg  # this warpgroup's group of columns
+        dq_share = CHUNK_SPLIT or wg * DQ_N < SLICE  # warp-uniform: this warpgroup has a share of dQ_i
+        dq_col0 = c0 + dq_group * DQ_N
+        chunk0 = wg * MY_CHUNKS if CHUNK_SPLIT else 0  # its first 64-query chunk
+        dq_base = I.global_address(dq_accum, (b, h, 0, 0 if BULK_DQ else 2 * t)) if ATOMIC_DQ else numba.int64(0)
         dq_row_bytes = dq_accum.strides[2]
         bt_row, bt_col = I.d_ldmatrix_x4_bt_address(lane)  # ldmatrix.trans of dSᵀ rows → dS A fragments
         k_desc_n = HW.d_make_smem_desc(HW.smem_address(smem, (dq_col0 // PANEL) * BLOCK_M * PANEL), OWN_PANEL, SBO,
@@ -605,6 +676,8 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
                 HW.wgmma_wait_group(0)
                 HW.acc_to_array(HW.wgmma_fence_operand(dv_t), dV)
                 HW.acc_to_array(HW.wgmma_fence_operand(dk_t), dK)
+                # Every read of stage buf is done (step 1e reads K_j and the dSᵀ tile only): hand it back now.
+                HW.named_barrier_arrive(EMPTY + buf, HANDSHAKE)
             if ATOMIC_DQ:
                 # Step 1e: dQ_i += dS K_j, added into the float32 accumulator in global memory.  It needs
                 # every key of the tile: every warp's rows of dSᵀ are written.  (ldmatrix reads through the
@@ -616,7 +689,8 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
                 else:
                     cuda.syncthreads()
                 if dq_share:
-                    for mc in range(DQ_M_CHUNKS):
+                    for c in range(MY_CHUNKS):
+                        mc = chunk0 + c
                         q_row0 = 64 * mc + 16 * (tid // 32 % 4)  # the warp's 16 queries of the chunk
                         for kk in range(M_STEPS):  # dS = (dSᵀ)ᵀ: ldmatrix.trans gives the A fragments
                             a = I.ldmatrix_x4_trans(smem, ds_off + (16 * kk + bt_row) * DS_PITCH + q_row0 + bt_col)
@@ -628,18 +702,22 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
                         HW.wgmma_commit_group()
                         HW.wgmma_wait_group(0)  # (dV, dK too: groups complete in order)
                         HW.acc_to_array(HW.wgmma_fence_operand(dq_t), dQ)
-                        # One reduction per accumulator pair (query g or g + 8, columns 8n + 2t, + 1), with no
-                        # bounds test: the accumulator has whole tiles (see launch_backward_wgmma).
-                        for r in range(2):
-                            addr = dq_base + (q_start + q_row0 + g + 8 * r) * dq_row_bytes + 4 * dq_col0
-                            for n in range(DQ_TILES):
-                                I.red_add_f32x2(addr + 32 * n, dQ[n, 2 * r], dQ[n, 2 * r + 1])
+                        if BULK_DQ:  # the warp's part of the tile: its 16 queries of the chunk × the share's columns
+                            add_dq_bulk(dQ, smem_f, dq_base + q_start * dq_row_bytes,
+                                        (4 * mc + tid // 32 % 4) * WDQ + dq_group, lane)
+                        else:
+                            # One reduction per accumulator pair (query g or g + 8, columns 8n + 2t, + 1), with no
+                            # bounds test: the accumulator has whole tiles (see launch_backward_wgmma).
+                            for r in range(2):
+                                addr = dq_base + (q_start + q_row0 + g + 8 * r) * dq_row_bytes + 4 * dq_col0
+                                for n in range(DQ_TILES):
+                                    I.red_add_f32x2(addr + 32 * n, dQ[n, 2 * r], dQ[n, 2 * r + 1])
                 # (the next tile's barrier comes after every warp's ldmatrix of this dSᵀ; ws: see above)
             if EACH_TILE and not EARLY_WAIT:  # both products read Q_i, dO_i, refilled after the next barrier
                 HW.wgmma_wait_group(0)
                 HW.acc_to_array(HW.wgmma_fence_operand(dv_t), dV)
                 HW.acc_to_array(HW.wgmma_fence_operand(dk_t), dK)
-            if WS:  # every read of stage buf is done (the products above, the lse2 / D loads before them)
+            if WS and not EARLY_WAIT:  # every read of stage buf is done (the products above, the lse2 / D loads)
                 HW.named_barrier_arrive(EMPTY + buf, HANDSHAKE)
             # (3 stages: they run on under the next tile's barrier and Sᵀ, dPᵀ)
             dv_t = HW.wgmma_fence_operand(dv_t)
@@ -650,6 +728,10 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
             HW.wgmma_wait_group(0)
             HW.acc_to_array(HW.wgmma_fence_operand(dv_t), dV)
             HW.acc_to_array(HW.wgmma_fence_operand(dk_t), dK)
+        if BULK_DQ and lane == 0:
+            # ... nor a read of the staging: the block's shared memory may go.  The additions need not have
+            # landed: the grid's end makes them visible to step 2'.
+            HW.bulk_wait_group_read(0)
 
         # dK_j · scale and dV_j, written once (head-dim padding not written).
         sc = numba.float32(scale)
@@ -668,7 +750,7 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
 @functools.cache
 def dq_wgmma_kernel(cfg: WGBackwardConfig):
     """The compiled dQ kernel (step 2) for one configuration (cached)."""
-    c = _Consts(cfg)
+    c = _Consts(cfg, cfg.dq_stages)
     BLOCK_M, BLOCK_N, D, THREADS = c.BLOCK_M, c.BLOCK_N, c.D, c.THREADS
     DO_OFF, K_OFF, V_OFF, STRIDE, STAGES = c.A1, c.S0, c.S1, c.STRIDE, c.DQ_STAGES
     N_TILES, D_TILES, N_STEPS = c.N_TILES, c.D_TILES, c.N_STEPS
@@ -838,8 +920,15 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
     and not; geometric means): D = 128 327 TFLOP/s against 280 (128 × 64, cp.async, the previous default);
     D = 64 252 by the atomic dQ route (:func:`prefers_atomic`) against 236 (one warpgroup, 64 × 64, three
     blocks per SM, the previous default).  3 or 4 ws stages measured no faster than 2
-    (``…-12-04-ws.json``).  ``ws=False``: the best configuration without TMA (128 × 64, or 64 × 64 at D ≤ 64),
-    for arrays whose strides the TMA cannot step (:func:`config_for`).
+    (``…-12-04-ws.json``).  Then dQ added by bulk reductions from shared memory (``bulk_dq``; the route
+    :func:`prefers_atomic` takes), at D ≤ 64 its product issued under dV's and dK's (``dq_overlap``): in
+    ``…-12-04-bulk-final.json`` (N = 512 … 16k, bf16) D = 128 334.5 against 298.1 for the deterministic ws
+    pick, D = 64 263.5 against 232.4 by ``red.global.add``.  At D = 64, N = 1k / 4k / 16k: this pick 287
+    (``…-bulk2.json``), 128-query tiles with their chunks split 286; in ``…-bulk.json`` 64-query tiles without
+    the overlap 282 and 128-query tiles unsplit 293 — that kernel keeps 16 bytes in local memory (the
+    offline check forbids it), and its overlapped version was not timed.  ``ws=False``: the best configuration
+    without TMA (128 × 64, or 64 × 64 at D ≤ 64), for arrays whose strides the TMA cannot step
+    (:func:`config_for`).
     D > 128 (timed at D = 256 only, where ``auto`` keeps the ``mma.sync`` backward): one warpgroup, 64 × 64,
     two slices of 128 gradient columns (193 KB of shared memory at D = 256; a padded D of 192 takes a zero
     panel), dQ by its own kernel only (:func:`takes_atomic`).
@@ -853,17 +942,19 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
         return WGBackwardConfig(64, 16, head_dim, input_kind, d_slice=d_slice)
     if d_slice:
         return WGBackwardConfig(64, 64, head_dim, input_kind, d_slice=d_slice)
-    if ws:
-        return WGBackwardConfig(128, 64, head_dim, input_kind, dq_stages=3, dkdv_ws=True)
+    if ws:  # dQ by bulk reductions (the route prefers_atomic takes); at D <= 64 its product under dV's and dK's
+        return WGBackwardConfig(128, 64, head_dim, input_kind, dq_stages=3, dkdv_ws=True, bulk_dq=True,
+                                dq_overlap=head_dim <= PANEL)
     if head_dim <= 64:
         return WGBackwardConfig(64, 64, head_dim, input_kind)
     return WGBackwardConfig(128, 64, head_dim, input_kind, dq_stages=3)
 
 
 #: At a padded D of 64, causal calls with fewer keys than this keep the configuration without TMA (one warpgroup,
-#: 64 × 64, three blocks per SM): 127 / 173 TFLOP/s against the ws kernel's 115 / 165 at 512 / 1k keys, even at 2k,
-#: behind from 4k (``tc-backward-NVIDIA-H200-2026-12-04-ws-final.json``, bf16 and fp16 alike).
-WS_MIN_CAUSAL_KEYS_D64 = 2048
+#: 64 × 64, three blocks per SM, the deterministic route): at 512 keys 127 / 126 TFLOP/s (bf16 / fp16) against
+#: 123 / 123 for the ws kernel with bulk dQ, which leads from 1k (183 against 174;
+#: ``tc-backward-NVIDIA-H200-2026-12-04-bulk-final.json``).
+WS_MIN_CAUSAL_KEYS_D64 = 1024
 
 
 def config_for(head_dim: int, input_kind: str, do, q, k, v, o, causal: bool = False) -> WGBackwardConfig:
@@ -880,11 +971,11 @@ def config_for(head_dim: int, input_kind: str, do, q, k, v, o, causal: bool = Fa
 
 def prefers_atomic(cfg: WGBackwardConfig) -> bool:
     """Does ``deterministic=None`` take the atomic dQ route for ``cfg``?  Where the warp-specialised dK/dV
-    kernel runs at a padded D of 64: there the atomic route (5 products, dQ added by ``red.global.add``) measured
-    1.05–1.11× SDPA flash against 0.99–1.03 for the deterministic one (7 products: the dQ kernel recomputes S
-    and dP), 252 against 236 TFLOP/s geometric mean; at D = 128 it measured slower (300 against 327:
-    ``tc-backward-NVIDIA-H200-2026-12-04-ws2.json``)."""
-    return cfg.dkdv_ws and cfg.d_pad <= PANEL and takes_atomic(cfg)
+    kernel adds dQ by bulk reductions (``bulk_dq``, the GPU defaults up to D = 128): 5 products where the two
+    kernels do 7 (the dQ kernel recomputes S and dP).  bf16, N = 1k / 4k / 16k, causal and not, geometric
+    means: D = 128 362–365 TFLOP/s against 327 deterministic; D = 64 282–287 against 236 deterministic and 252
+    by ``red.global.add`` (``tc-backward-NVIDIA-H200-2026-12-04-bulk*.json``, ``…-ws2.json``)."""
+    return cfg.dkdv_ws and cfg.bulk_dq and takes_atomic(cfg)
 
 
 def can_implement(cfg: WGBackwardConfig, *arrays, atomic: bool = False) -> tuple[bool, str]:
@@ -895,7 +986,8 @@ def can_implement(cfg: WGBackwardConfig, *arrays, atomic: bool = False) -> tuple
         return False, why
     if atomic and not takes_atomic(cfg):
         return False, _atomic_refusal(cfg)
-    need, limit = shared_bytes(cfg, atomic), max_shared_per_block()
+    need = shared_bytes(cfg, "dkdv_atomic") if atomic else max(shared_bytes(cfg, "dkdv"), shared_bytes(cfg, "dq"))
+    limit = max_shared_per_block()
     if need > limit:
         return False, f"needs {need} bytes of shared memory per block, the device allows {limit}"
     # do, q, k, v are copied by cp.async; o (read by the SIMT preprocess) and the gradients by plain accesses
@@ -951,6 +1043,7 @@ def launch_backward_wgmma(cfg: WGBackwardConfig, do, q, k, v, o, lse, dq, dk, dv
     # of its share without a bounds test (a branch there makes ptxas serialise the wgmmas); rows past the end
     # get zeros (dS is 0 there).  Step 0 clears all of it (its grid covers the padded rows), step 2' reads
     # the first seqlen_q rows and head_dim columns.
+    # With ``bulk_dq`` each query tile is in fragment order (``cfg.dq_tiles``).
     rows = -(-seqlen_q // cfg.block_n) * cfg.block_n
     shape = (1, 1, 1, 1) if deterministic else (batch, heads, rows, cfg.d_smem)  # unused when deterministic
     dq_accum = empty(shape, np.float32)
@@ -959,11 +1052,14 @@ def launch_backward_wgmma(cfg: WGBackwardConfig, do, q, k, v, o, lse, dq, dk, dv
     qk_scale_log2, sc = float(scale * LOG2E), float(scale)
     maps = tensor_maps(cfg, do, q, k, v, columns) if cfg.dkdv_ws else no_maps()
     launch(dkdv_wgmma_kernel(cfg, not deterministic), (-(-seqlen_k // cfg.block_m) * cfg.slices, heads, batch),
-           (cfg.dkdv_threads, 1, 1), stream, shared_bytes(cfg, not deterministic),
+           (cfg.dkdv_threads, 1, 1), stream, shared_bytes(cfg, "dkdv" if deterministic else "dkdv_atomic"),
            *(q, k, v, do, lse2, delta, dk, dv, dq_accum, qk_scale_log2, sc, bool(causal), maps))
     if deterministic:
         launch(dq_wgmma_kernel(cfg), (-(-seqlen_q // cfg.block_m) * cfg.slices, heads, batch), (cfg.threads, 1, 1),
-               stream, shared_bytes(cfg), *(q, k, v, do, lse2, delta, dq, qk_scale_log2, sc, bool(causal)))
+               stream, shared_bytes(cfg, "dq"), *(q, k, v, do, lse2, delta, dq, qk_scale_log2, sc, bool(causal)))
+    elif cfg.bulk_dq:
+        launch(bt.dq_tile_convert_kernel(cfg.dq_tiles), (rows // cfg.block_n, heads, batch), (cfg.threads, 1, 1),
+               stream, 0, dq_accum, dq, sc)
     else:
         bw.launch_dq_convert(simt, dq_accum, dq, sc, stream)
 

@@ -49,7 +49,8 @@ Register-A form (:func:`wgmma_rs`)
     the two are not ordered with each other.  A thread that wrote a tile with
     normal stores must execute this fence *before* the barrier that precedes
     the wgmma reading it.  (TMA writes through the async proxy and needs none.)
-``cp.reduce.async.bulk .add.f32`` and its groups (:func:`bulk_reduce_add_f32`, :func:`bulk_commit_group`, ...)
+``cp.reduce.async.bulk .add.f32`` and its groups (:func:`bulk_reduce_add_f32`, :func:`bulk_reduce_add_f32_where`,
+:func:`bulk_commit_group`, ...)
     The bulk copy engine (TMA's, no tensor map needed) adds a contiguous run
     of float32 from shared memory into global memory, element by element
     atomically — one instruction per row instead of one ``red.global`` per
@@ -230,6 +231,7 @@ __all__ = [
     "acc_to_array",
     "bulk_commit_group",
     "bulk_reduce_add_f32",
+    "bulk_reduce_add_f32_where",
     "bulk_wait_group",
     "bulk_wait_group_read",
     "d_acc_frag_index",
@@ -919,6 +921,18 @@ def _sim_bulk_reduce_add_f32(address, smem, offset, nbytes):
     _thread_state()["bulk_pending"].append((address, smem, int(offset), nbytes // 4))
 
 
+def _sim_bulk_reduce_add_f32_where(issue, address, smem, offset, nbytes):
+    """:func:`bulk_reduce_add_f32`, started only by the threads where ``issue`` is true (e.g. one lane of a warp).
+
+    PTX: the same instruction under a predicate (``setp.ne.u32 p, issue, 0; @p cp.reduce.async.bulk …``)
+    instead of a branch around it: every thread executes the code, so no control flow splits the warp.
+    (Between a wgmma's issue and its wait, such a branch made ptxas serialise every wgmma of the kernel, its
+    C7514.)  The other threads' arguments are not checked or used.
+    """
+    if issue:
+        _sim_bulk_reduce_add_f32(address, smem, offset, nbytes)
+
+
 def _sim_bulk_commit_group():
     """Close this thread's bulk reductions issued since the last commit into a group.
 
@@ -999,6 +1013,27 @@ def _gpu_bulk_reduce_add_f32(typingctx, address, smem, offset, nbytes):
         _asm(builder, ir.VoidType(), [_I64, _I32, _I32],
              "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;", "l,r,r,~{memory}",
              [dst, src, size], side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _gpu_bulk_reduce_add_f32_where(typingctx, issue, address, smem, offset, nbytes):
+    if not (isinstance(issue, (types.Boolean, types.Integer)) and _is_int(address, offset, nbytes)
+            and isinstance(smem, types.Array) and smem.dtype == types.float32):
+        return None
+    sig = types.void(issue, address, smem, offset, nbytes)
+
+    def codegen(context, builder, sig, args):
+        flag = context.cast(builder, args[0], sig.args[0], types.uint32)
+        dst = context.cast(builder, args[1], sig.args[1], types.int64)
+        src = _shared_address(context, builder, sig.args[2], args[2], sig.args[3], args[3])
+        size = context.cast(builder, args[4], sig.args[4], types.uint32)
+        _asm(builder, ir.VoidType(), [_I32, _I64, _I32, _I32],
+             "{ .reg .pred p; setp.ne.u32 p, $0, 0; "
+             "@p cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$1], [$2], $3; }",
+             "r,l,r,r,~{memory}", [flag, dst, src, size], side_effect=True)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -1219,6 +1254,7 @@ named_barrier_sync = _public(_sim_named_barrier_sync, lambda: _make_gpu_named_ba
 named_barrier_arrive = _public(_sim_named_barrier_arrive, lambda: _make_gpu_named_barrier("arrive"))
 acc_to_array = _public(_sim_acc_to_array, lambda: _gpu_acc_to_array)
 bulk_reduce_add_f32 = _public(_sim_bulk_reduce_add_f32, lambda: _gpu_bulk_reduce_add_f32)
+bulk_reduce_add_f32_where = _public(_sim_bulk_reduce_add_f32_where, lambda: _gpu_bulk_reduce_add_f32_where)
 bulk_commit_group = _public(_sim_bulk_commit_group,
                             lambda: _make_gpu_statement("bulk_commit_group", "cp.async.bulk.commit_group;"))
 bulk_wait_group_read = _public(_sim_bulk_wait_group_read,

@@ -263,7 +263,7 @@ def test_bulk_dq_tile_layout_is_the_fragment_order(warps_keys, warps_dq_rows, d)
     block_m, block_n = 64, 128 if d == 128 else 64
     cfg = T.TCBackwardConfig(block_m, block_n, d, "bfloat16", kv_in_registers=False, warps_keys=warps_keys,
                              warps_dq_rows=warps_dq_rows, bulk_dq=True)
-    position = T.dq_tile_position(cfg)
+    position = T.dq_tile_position(cfg.dq_tiles)
     places = {position(r, c) for r in range(block_m) for c in range(cfg.d_pad)}
     assert places == set(range(block_m * cfg.d_pad))
     R, C = cfg.dq_warp_tile
@@ -289,7 +289,7 @@ def test_bulk_dq_tile_convert_reads_the_fragment_order(xp, rng, kind, warps_keys
     block_m, n_q = 64, 77
     cfg = T.TCBackwardConfig(block_m, 64, d, kind, kv_in_registers=False, warps_keys=warps_keys,
                              warps_dq_rows=warps_dq_rows, bulk_dq=True)
-    position = T.dq_tile_position(cfg)
+    position = T.dq_tile_position(cfg.dq_tiles)
     tiles = -(-n_q // block_m)
     vals = (rng.standard_normal((1, 2, tiles * block_m, cfg.d_pad)) * 3).astype(np.float32)  # [row, col] values
     acc = np.empty_like(vals)
@@ -305,7 +305,7 @@ def test_bulk_dq_tile_convert_reads_the_fragment_order(xp, rng, kind, warps_keys
     # On the device: the simulator copies host arrays into fresh (aligned) ones at every launch.
     flat = cuda.to_device(flat) if SIMULATOR else xp.asarray(flat)
     dq = (flat[:-1] if aligned else flat[1:]).reshape(1, 2, n_q, d)
-    T.dq_tile_convert_kernel(cfg)[(tiles, 2, 1), cfg.threads](xp.asarray(acc), dq, scale)
+    T.dq_tile_convert_kernel(cfg.dq_tiles)[(tiles, 2, 1), cfg.threads](xp.asarray(acc), dq, scale)
     out = flat.copy_to_host() if SIMULATOR else _host(flat)
     np.testing.assert_array_equal(out[:-1] if aligned else out[1:], want.ravel().view(store))
     assert out.view(np.uint16)[-1 if aligned else 0] == 0x7FFF  # nothing written past dq

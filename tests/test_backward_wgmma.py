@@ -113,16 +113,32 @@ ATOMIC_CASES = [
 
 @hopper
 @pytest.mark.parametrize("kind,causal,n_q,n_k,d,block_m,layout", ATOMIC_CASES)
-@pytest.mark.parametrize("ws", [False, True])
-def test_backward_wgmma_atomic_dq(xp, rng, kind, causal, n_q, n_k, d, block_m, layout, ws):
+@pytest.mark.parametrize("ws,bulk", [(False, False), (True, False), (True, True)])
+def test_backward_wgmma_atomic_dq(xp, rng, kind, causal, n_q, n_k, d, block_m, layout, ws, bulk):
     """dQ by float32 atomics inside the dK/dV kernel: dSᵀ through a shared tile, read back transposed by
     ldmatrix as the A operand of ``dQ_i += dS K_j`` (K_j N-major), each warpgroup adding its panel of
     columns into the padded accumulator; then the SIMT conversion.  ``ws``: the warp-specialised kernel, its
-    consumers meeting at a named barrier over two alternating dSᵀ tiles."""
-    cfg = B.WGBackwardConfig(block_m, 64, d, kind, dkdv_ws=ws)
+    consumers meeting at a named barrier over two alternating dSᵀ tiles.  ``bulk``: each warp stages its part
+    of dQ_i in shared memory and one bulk reduction per warp and tile adds it into an accumulator in fragment
+    order, read back by ``backward_tc``'s tiled conversion (the simulator performs a reduction only at the wait
+    that covers its read, so a staging rewritten too early, or never waited for, gives a wrong dq)."""
+    cfg = B.WGBackwardConfig(block_m, 64, d, kind, dkdv_ws=ws, bulk_dq=bulk)
     assert B.takes_atomic(cfg)
     got, values, scale = run_backward(xp, rng, n_q, n_k, d, kind, causal, False, layout=layout, heads=1, cfg=cfg,
                                       launch=launch)
+    check_against_reference(got, values, scale, causal, kind)
+
+
+@hopper
+@pytest.mark.parametrize("kind,causal,n_q,n_k,overlap", [("bfloat16", True, 150, 130, True),
+                                                          ("float16", False, 130, 70, False)])
+def test_backward_wgmma_atomic_dq_chunk_split(xp, rng, kind, causal, n_q, n_k, overlap):
+    """D = 64 with 128-query streamed tiles: the two consumer warpgroups split dQ_i's 64-query chunks (one each)
+    instead of warpgroup 0 computing all of it; bulk reductions; ``overlap``: the dQ product issued while dV
+    and dK still run (the tile's stage handed back after all three)."""
+    cfg = B.WGBackwardConfig(128, 128, 64, kind, dkdv_ws=True, bulk_dq=True, dq_overlap=overlap, dq_chunk_split=True)
+    assert cfg.dq_cols == 64
+    got, values, scale = run_backward(xp, rng, n_q, n_k, 64, kind, causal, False, heads=1, cfg=cfg, launch=launch)
     check_against_reference(got, values, scale, causal, kind)
 
 
@@ -171,14 +187,15 @@ def test_api_backward_wgmma(xp, rng):
 
 
 @pytest.mark.parametrize("backend,head_dim,ws,default", [
-    ("simt", 16, False, False), ("tensor_core", 16, False, True), ("tensor_core", 64, False, None),
-    ("tensor_core", 72, False, False), ("tensor_core", 128, False, False), ("wgmma", 16, False, True),
-    ("wgmma", 64, True, False), ("wgmma", 40, True, False), ("wgmma", 72, True, True), ("wgmma", 128, True, True)])
+    ("simt", 16, "", False), ("tensor_core", 16, "", True), ("tensor_core", 64, "", None),
+    ("tensor_core", 72, "", False), ("tensor_core", 128, "", False), ("wgmma", 16, "", True),
+    ("wgmma", 64, "ws", True), ("wgmma", 128, "ws", True), ("wgmma", 64, "bulk", False), ("wgmma", 40, "bulk", False),
+    ("wgmma", 72, "bulk", False), ("wgmma", 128, "bulk", False)])
 def test_default_dq_route(monkeypatch, backend, head_dim, ws, default):
     """``deterministic=None`` takes the dQ route ``attention_backward`` documents for each kernel family (atomic for
     SIMT; for mma.sync deterministic up to a padded D of 64 unless its atomic tiles there are the warp grid, as on
     sm_90 (``None`` above: read from its configuration), atomic above; for wgmma deterministic, but atomic where
-    the warp-specialised dK/dV kernel runs at a padded D of 64, as measured), and an explicit ``True``/``False``
+    the warp-specialised dK/dV kernel adds dQ by bulk reductions, as measured), and an explicit ``True``/``False``
     reaches the launcher as given (wgmma: where the configuration has the atomic route)."""
     api = nbflash.api
     seen = []
@@ -191,7 +208,8 @@ def test_default_dq_route(monkeypatch, backend, head_dim, ws, default):
     monkeypatch.setattr(api._bwd_wg, "launch_backward_wgmma", record)
     monkeypatch.setattr(api._bwd_wg, "can_implement", lambda *a, **kw: (True, ""))
     cfg = {"simt": object(), "tensor_core": nbflash.backward_tc.TCBackwardConfig(16, 32, head_dim, "float16"),
-           "wgmma": B.WGBackwardConfig(128 if ws else 64, 64, head_dim, "float16", dkdv_ws=ws)}[backend]
+           "wgmma": B.WGBackwardConfig(128 if ws else 64, 64, head_dim, "float16", dkdv_ws=bool(ws),
+                                       bulk_dq=ws == "bulk")}[backend]
     if default is None:
         default = not nbflash.backward_tc.choose_config(head_dim, "float16", atomic=True).grid
     plan = api.Plan(backend, cfg, "test")
@@ -206,7 +224,7 @@ def test_default_dq_route(monkeypatch, backend, head_dim, ws, default):
 def test_config_validation():
     for bad in (dict(block_m=96), dict(block_n=24), dict(head_dim=264), dict(head_dim=36), dict(input_kind="float32"),
                 dict(dq_stages=4), dict(dkdv_stages=1), dict(dkdv_stages=4), dict(d_slice=96),
-                dict(dkdv_stages=5, dkdv_ws=True)):
+                dict(dkdv_stages=5, dkdv_ws=True), dict(bulk_dq=True)):
         args = dict(block_m=64, block_n=16, head_dim=64, input_kind="float16") | bad
         with pytest.raises(ValueError, match=next(iter(bad))):
             B.WGBackwardConfig(**args)
@@ -215,13 +233,31 @@ def test_config_validation():
     ws = B.choose_config(128, "bfloat16", simulator=False)
     assert ws.dkdv_ws and ws.setmaxnreg and ws.dkdv_threads == 384 and ws.column_buffers == ws.dkdv_stages == 2
     assert B.choose_config(64, "bfloat16", simulator=False) == B.WGBackwardConfig(128, 64, 64, "bfloat16", dq_stages=3,
-                                                                                  dkdv_ws=True)
+                                                                                  dkdv_ws=True, bulk_dq=True,
+                                                                                  dq_overlap=True)
+    assert ws.bulk_dq and not ws.dq_overlap and B.prefers_atomic(ws)  # (D = 128: ptxas would serialise the overlap)
     assert B.choose_config(64, "bfloat16", simulator=False, ws=False) == B.WGBackwardConfig(64, 64, 64, "bfloat16")
     assert not B.choose_config(128, "bfloat16", simulator=False, ws=False).dkdv_ws
     four = B.WGBackwardConfig(128, 64, 128, "float16", dkdv_stages=4, dkdv_ws=True)  # four Q_i, dO_i buffers, four
     assert B.shared_bytes(four) == (64 + 4 * 32) * 1024 + 4 * 2 * 64 * 4  # lse2 / D buffers
-    # step 1e with ws: two alternating dSᵀ tiles of 128 keys × (64 + 8) queries
-    assert B.shared_bytes(ws, True) == B.shared_bytes(ws) + 2 * 128 * 72 * 2
+    # Each kernel has its own stages: the ws dK/dV kernel 2 (K_j, V_j 64 KB, Q_i, dO_i 2 · 32 KB), the dQ kernel 3.
+    assert B.shared_bytes(ws, "dkdv") == (64 + 2 * 32) * 1024 + 2 * 2 * 64 * 4
+    assert B.shared_bytes(ws, "dq") == (64 + 3 * 32) * 1024 + 2 * 2 * 64 * 4
+    # step 1e with ws: two alternating dSᵀ tiles of 128 keys × (64 + 8) queries; bulk_dq: + dQ_i's float32 staging
+    red = B.WGBackwardConfig(128, 64, 128, "bfloat16", dkdv_ws=True)
+    assert B.shared_bytes(red, "dkdv_atomic") == B.shared_bytes(red, "dkdv") + 2 * 128 * 72 * 2
+    bulk = B.WGBackwardConfig(128, 64, 128, "bfloat16", dkdv_ws=True, bulk_dq=True)
+    assert B.shared_bytes(bulk, "dkdv_atomic") == B.shared_bytes(red, "dkdv_atomic") + 64 * 128 * 4 <= 227 * 1024
+    assert bulk.dq_cols == 64 and bulk.dq_tiles.warp_tile == (16, 64) and bulk.dq_tiles.rows == 64
+    # D = 64: one 64-column panel, all of it computed by warpgroup 0 (64-query tiles) or a 64-query chunk by each
+    one = B.WGBackwardConfig(128, 64, 64, "bfloat16", bulk_dq=True)
+    assert one.dq_tiles.warp_tile == (16, 64)
+    with pytest.raises(ValueError, match="dq_chunk_split"):
+        B.WGBackwardConfig(128, 64, 64, "bfloat16", dq_chunk_split=True)  # one chunk: nothing to split
+    with pytest.raises(ValueError, match="dq_chunk_split"):
+        B.WGBackwardConfig(128, 128, 128, "bfloat16", dq_chunk_split=True)  # the warpgroups split the columns
+    with pytest.raises(ValueError, match="dq_overlap"):
+        B.WGBackwardConfig(128, 64, 64, "bfloat16", dq_overlap=True)  # the ws kernel's
     with pytest.raises(ValueError, match="needs d_slice"):
         B.WGBackwardConfig(64, 16, 136, "float16")
     # Above D = 128: two slices of 128 columns; auto keeps the mma.sync backward there (measured faster).
@@ -236,7 +272,8 @@ def test_config_validation():
     # K, V (or Q, dO) once, Q, dO (or K, V) twice: 128 × 64 tiles at D = 128 are 2 · 32 + 4 · 16 KB.
     assert B.shared_bytes(B.WGBackwardConfig(128, 64, 128, "float16")) == 128 * 1024 + 2 * 2 * 64 * 4  # + lse2, D
     three = B.WGBackwardConfig(128, 64, 128, "float16", dq_stages=3)  # a third streamed buffer of each: + 32 KB
-    assert B.shared_bytes(three) == (128 + 32) * 1024 + 2 * 2 * 64 * 4
+    assert B.shared_bytes(three, "dq") == (128 + 32) * 1024 + 2 * 2 * 64 * 4
+    assert B.shared_bytes(three, "dkdv") == 128 * 1024 + 2 * 2 * 64 * 4  # (the dK/dV kernel keeps 2)
 
 
 def test_gpu_configurations_compile_for_sm90a_without_local_memory():

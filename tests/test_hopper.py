@@ -533,6 +533,33 @@ def test_bulk_reduce_adds_rows_from_shared_memory(rng, xp):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@kernel
+def _bulk_one_lane(src, dst):
+    """A warp stages 32 × 4 floats (one run, lane by lane) and lane 0 alone adds the whole run into ``dst``: the
+    reduction predicated on ``lane == 0``, every lane executing it, the wait and the commit."""
+    lane = cuda.threadIdx.x
+    stage = cuda.shared.array(128, numba.float32, alignment=ALIGN)
+    for i in range(4):
+        stage[32 * i + lane] = src[32 * i + lane]
+    H.fence_proxy_async()
+    cuda.syncthreads()  # every lane's stores, before lane 0 hands the run over
+    H.bulk_reduce_add_f32_where(lane == 0, I.global_address(dst, 0), stage, 0, 4 * 128)
+    H.bulk_commit_group()
+    H.bulk_wait_group(0)
+
+
+def test_bulk_reduce_where_one_lane_issues(rng, xp):
+    """Only the lanes whose predicate holds start the reduction: the run is added once, not 32 times."""
+    if not SIMULATOR and compute_capability() < (9, 0):
+        pytest.skip("cp.reduce.async.bulk needs sm_90")
+    src = rng.standard_normal(128).astype(np.float32)
+    dst0 = rng.standard_normal(128).astype(np.float32)
+    d_dst = xp.asarray(dst0.copy())
+    _bulk_one_lane[1, 32](xp.asarray(src), d_dst)
+    got = d_dst.get() if hasattr(d_dst, "get") else d_dst
+    np.testing.assert_allclose(got, dst0.astype(np.float64) + src, rtol=1e-6, atol=1e-6)
+
+
 @sim_only
 def test_simulator_refuses_unfenced_or_misaligned_bulk_reductions(rng):
     src = rng.standard_normal((ROWS, COLS)).astype(np.float32)

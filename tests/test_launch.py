@@ -469,7 +469,7 @@ x64 = desc(ptrs[0], (1, 2, 64, 64), np.float16)
 picks = [api.plan_backward(d, "float16", 0.125, do, q, shared_kv, shared_kv, o, "auto", True).config.dkdv_ws]
 picks += [api.plan_backward(64, "float16", 0.125, x64, x64, desc(ptrs[1], (1, 2, n, 64), np.float16),
                             desc(ptrs[2], (1, 2, n, 64), np.float16), x64, "auto", causal).config.dkdv_ws
-          for n, causal in ((1024, True), (2048, True), (1024, False))]
+          for n, causal in ((512, True), (1024, True), (512, False))]
 cases.append(dict(case="backward wgmma ws fallback", got=[picks], want=[[False, False, True, True]], n=1, scratch=0))
 print(json.dumps(cases))
 """
