@@ -110,6 +110,12 @@ With ``P_ij = exp(S_ij·scale − lse_i)`` recomputed tile by tile::
       while dV's and dK's still run.  There warpgroup 0 computes all of dQ_i
       while the other runs ahead into the next tile (``dq_chunk_split``, a
       128-query tile's two chunks shared out, measured 2–10 % slower).
+      ``ds_mn_major`` (off) stores dSᵀ in the layout a wgmma reads
+      *MN-major* instead (each key a 128-byte, 128B-swizzled row of 64
+      queries), fences it to the async proxy, and dQ's product reads dS =
+      (dSᵀ)ᵀ from shared memory through ``imm-trans-a``: no ``ldmatrix``, no
+      A registers, and at D = 128 the overlap no longer serialises — but it
+      measured 2–11 % slower on the H100 (2026-12-05).
 
 2. **dQ** (grid: query tiles of ``BLOCK_M`` rows).  Q_i and dO_i are copied
    once; K_j, V_j stream past, two buffers each.  Per key tile: ``S = Q_i
@@ -163,9 +169,10 @@ staged a tile ahead 229–321 (2026-11-30); three buffers per streamed tile
 bought 1–3 % in the dQ kernel and lost in dK/dV, whose accumulators then
 cross tiles in registers (255 and spills at D = 128); the warp-specialised
 dK/dV kernel 7–22 % at D = 128; dQ by bulk reductions in it, one pass, 7–18 %.
-Next: the consumers' per-tile meeting at ``DS_READY`` (both wait for the
-slower one's dSᵀ) and the early wait at D = 128; dSᵀ as a shared-memory A
-operand (no ldmatrix, fewer registers).
+dSᵀ read by dQ's product straight from shared memory (``ds_mn_major``) was
+correct but 2–11 % slower (2026-12-05, H100).  Next: why (a profile of both
+routes side by side), the consumers' per-tile meeting at ``DS_READY`` (both
+wait for the slower one's dSᵀ) and the early wait at D = 128.
 """
 
 from __future__ import annotations
@@ -247,6 +254,12 @@ class WGBackwardConfig(HeadDimSlices):
     #: but measured 2–10 % slower on the H200 (``tc-backward-NVIDIA-H200-2026-12-04-bulk2.json`` against
     #: ``…-bulk.json``): with warpgroup 0 alone on dQ_i, the other runs ahead into the next tile's products
     dq_chunk_split: bool = False
+    #: the atomic route's dSᵀ tile stored in the wgmma's MN-major swizzled layout and read by dQ's product
+    #: straight from shared memory (A MN-major, ``imm-trans-a``) instead of by ``ldmatrix.trans`` into A
+    #: registers.  Correct on the GPU, and it lets ptxas issue dQ's product under dV's and dK's at D = 128
+    #: (``dq_overlap``) without serialising; but measured 2–11 % slower than the ldmatrix route (H100,
+    #: ``tc-backward-NVIDIA-H100-80GB-HBM3-2026-12-05-dsmn.json`` against ``…-base.json``), so it is off
+    ds_mn_major: bool = False
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -265,8 +278,8 @@ class WGBackwardConfig(HeadDimSlices):
             raise ValueError(f"dq_stages must be 2 or 3, got {self.dq_stages}")
         if self.dkdv_stages not in ((2, 3, 4) if self.dkdv_ws else (2, 3)):
             raise ValueError(f"dkdv_stages must be 2 or 3 (2 to 4 with dkdv_ws), got {self.dkdv_stages}")
-        if (self.bulk_dq or self.dq_overlap) and not takes_atomic(self):
-            raise ValueError(f"bulk_dq and dq_overlap are the atomic dQ route's: {_atomic_refusal(self)}")
+        if (self.bulk_dq or self.dq_overlap or self.ds_mn_major) and not takes_atomic(self):
+            raise ValueError(f"bulk_dq, dq_overlap and ds_mn_major are the atomic dQ route's: {_atomic_refusal(self)}")
         if self.dq_overlap and not self.dkdv_ws:
             raise ValueError("dq_overlap orders the ws kernel's products: it needs dkdv_ws")
         groups = self.block_m // 64
@@ -335,16 +348,30 @@ def shared_offsets(cfg: WGBackwardConfig, stages: int) -> tuple[int, int, int, i
 
 
 def ds_pitch(cfg: WGBackwardConfig) -> int:
-    """16-bit elements per row of the atomic route's shared dSᵀ tile (``[key][query]``): BLOCK_N + 8, so that
-    the eight rows one ``ldmatrix`` reads fall in different banks and every row starts 16-byte aligned."""
-    return cfg.block_n + 8
+    """16-bit elements per row of the atomic route's shared dSᵀ tile (``[key][query]``, read by ``ldmatrix``):
+    BLOCK_N + 8, so that the eight rows one ``ldmatrix`` reads fall in different banks and every row starts
+    16-byte aligned.  (With ``ds_mn_major``: BLOCK_N, the rows swizzled instead, :func:`ds_panel_bytes`.)"""
+    return cfg.block_n if cfg.ds_mn_major else cfg.block_n + 8
+
+
+def ds_panel_bytes(cfg: WGBackwardConfig) -> int:
+    """Bytes of one 64-query panel of the atomic route's shared dSᵀ tile with ``ds_mn_major``: ``BLOCK_M`` key
+    rows of 128 bytes.
+
+    The tile is then the A operand of ``dQ_i += dS K_j`` read *MN-major* (``imm-trans-a``): k = key, each key a
+    128-byte, 128B-swizzled row of 64 queries (:func:`nbflash.hopper.mnmajor_sw128_offset`, LBO = this), so
+    the tensor cores read dS = (dSᵀ)ᵀ as it is stored."""
+    return cfg.block_m * PANEL * 2
 
 
 def dq_staging(cfg: WGBackwardConfig) -> tuple[int, int, int]:
     """16-bit element offset of step 1e's shared tiles in the dK/dV kernel: the dSᵀ tile (two, alternating, with
-    ``dkdv_ws``), then with ``bulk_dq`` the float32 staging of dQ_i (:attr:`~WGBackwardConfig.dq_tiles`' order,
-    16-byte aligned for the bulk copies) — returned as ``(dS offset, staging offset, end)``."""
+    ``dkdv_ws``; with ``ds_mn_major`` 1024-byte aligned, a swizzled wgmma operand), then with ``bulk_dq`` the
+    float32 staging of dQ_i (:attr:`~WGBackwardConfig.dq_tiles`' order, 16-byte aligned for the bulk copies) —
+    returned as ``(dS offset, staging offset, end)``."""
     ds = shared_offsets(cfg, cfg.dkdv_stages)[-1]
+    if cfg.ds_mn_major:
+        ds = -(-ds // 512) * 512
     staging = ds + (2 if cfg.dkdv_ws else 1) * cfg.block_m * ds_pitch(cfg)
     assert staging % 8 == 0  # 16 bytes
     return ds, staging, staging + (2 * cfg.block_n * cfg.d_pad if cfg.bulk_dq else 0)
@@ -357,6 +384,23 @@ def shared_bytes(cfg: WGBackwardConfig, name: str = "dkdv") -> int:
     if name == "dkdv_atomic":
         return dq_staging(cfg)[-1] * 2
     return shared_offsets(cfg, cfg.dq_stages if name == "dq" else cfg.dkdv_stages)[-1] * 2
+
+
+@functools.cache
+def mn_major_product(n: int, kind: str, k_steps: int):
+    """``acc = product(acc, a_desc, b_desc)``: issue acc += A·B (64 × n) with **both operands MN-major** swizzled
+    tiles whose rows are the k index (16 rows of 128 bytes, 2048 bytes, per k-step): A stored transposed (dSᵀ,
+    ``[key][query]``), B as in :func:`~nbflash.forward_wgmma.rs_product` (K_j, ``[key][d]``).  Issue only."""
+    wgmma_tt = HW.wgmma(n, kind, trans_a=True, trans_b=True)
+    u64 = numba.uint64
+
+    def product(acc, a_desc, b_desc):
+        for kk in range(k_steps):
+            step = u64((2048 * kk) >> 4)
+            acc = wgmma_tt(a_desc + step, b_desc + step, acc, 1)
+        return acc
+
+    return device_function(product)
 
 
 class _Consts:
@@ -406,8 +450,9 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
     COLS_F, COL_BUF = c.COLS_F, 2 * BLOCK_N  # lse2 / D buffers: float32 offset, floats per buffer
     # Step 1e (atomic dQ): the shared dSᵀ tile, and which columns of dQ_i each warpgroup computes — half of the
     # block's slice each when that is whole 64-column panels, else all of it by warpgroup 0.
-    ATOMIC_DQ, DS_PITCH = atomic_dq, ds_pitch(cfg)
+    ATOMIC_DQ, DS_PITCH, DS_LBO, DS_MN = atomic_dq, ds_pitch(cfg), ds_panel_bytes(cfg), cfg.ds_mn_major
     DS_OFF, STAGING, _ = dq_staging(cfg)
+    DS_TILE = cfg.block_m * DS_PITCH  # 16-bit elements of one dSᵀ tile
     WARPGROUPS = BLOCK_M // 64
     DQ_N = cfg.dq_cols
     WDQ = SLICE // DQ_N  # warpgroups with a share of dQ_i's columns
@@ -421,7 +466,7 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
     BULK_DQ = ATOMIC_DQ and cfg.bulk_dq
     add_dq_bulk = bt._make_dq_bulk_adder(cfg.dq_tiles, STAGING // 2, MY_CHUNKS - 1)
     OWN_PANEL = c.OWN_PANEL
-    dq_prod = rs_product(DQ_N, c.kind, M_STEPS)
+    dq_prod = mn_major_product(DQ_N, c.kind, M_STEPS) if DS_MN else rs_product(DQ_N, c.kind, M_STEPS)
 
     # Warp specialisation (``cfg.dkdv_ws``): the consumers are threads 0 .. THREADS - 1, the producer warpgroup
     # follows; its first thread issues every TMA copy.  mbarriers: one per stage ("tile it has landed"), then
@@ -508,7 +553,7 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
         dV = cuda.local.array((D_TILES, 4), numba.float32)
         PA = cuda.local.array((N_STEPS, 4), numba.uint32)  # Pᵀ as A fragments
         SA = cuda.local.array((N_STEPS, 4), numba.uint32)  # dSᵀ as A fragments
-        DA = cuda.local.array((M_STEPS, 4), numba.uint32)  # step 1e: dS (queries × keys) as A fragments
+        DA = cuda.local.array((M_STEPS, 4), numba.uint32)  # step 1e (ldmatrix): dS (queries × keys) as A fragments
         dQ = cuda.local.array((DQ_TILES, 4), numba.float32)  # step 1e: this tile's share of dQ_i
         for n in range(D_TILES):
             for i in range(4):
@@ -523,6 +568,9 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
         dq_base = I.global_address(dq_accum, (b, h, 0, 0 if BULK_DQ else 2 * t)) if ATOMIC_DQ else numba.int64(0)
         dq_row_bytes = dq_accum.strides[2]
         bt_row, bt_col = I.d_ldmatrix_x4_bt_address(lane)  # ldmatrix.trans of dSᵀ rows → dS A fragments
+        # ds_mn_major: step 1e's dSᵀ tile read MN-major as the A of dS K_j (k = key, 64 queries per 128-byte row)
+        ds_desc = HW.d_make_smem_desc(HW.smem_address(smem, DS_OFF), DS_LBO, SBO, SW128)
+        ds_row = u64(2048 * (tid // 32) + 128 * g)  # bytes to the row of key 16·warp + g (its atom, its line)
         k_desc_n = HW.d_make_smem_desc(HW.smem_address(smem, (dq_col0 // PANEL) * BLOCK_M * PANEL), OWN_PANEL, SBO,
                                        SW128)  # K_j read N-major (dQ += dS K_j), from this warpgroup's panel
         # 2 stages: dK_j, dV_j live in the arrays between tiles.  3 stages: the products are still running
@@ -653,7 +701,7 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
             HW.acc_to_array(dpt, dP)
 
             # Step 1d: dSᵀ = Pᵀ ∘ (dPᵀ − D_col), and dK_j += dSᵀ Q_i.
-            ds_off = DS_OFF + (it % 2) * BLOCK_M * DS_PITCH if WS else DS_OFF  # step 1e's dSᵀ buffer
+            ds_buf = (it % 2) * DS_TILE if WS else 0  # step 1e's dSᵀ buffer (16-bit elements past DS_OFF)
             for n in range(N_TILES):
                 for cc in range(2):
                     delta_c = smem_f[cols + BLOCK_N + 8 * n + 2 * t + cc]
@@ -661,13 +709,24 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
                         dP[n, 2 * r + cc] = S[n, 2 * r + cc] * (dP[n, 2 * r + cc] - delta_c)
             for kk in range(N_STEPS):
                 p_frags(SA, dP, kk, kk)
-                if ATOMIC_DQ:  # step 1e's dSᵀ: the packed pairs to the shared [key][query] tile (before the
-                    # dK product is issued: a wgmma's A registers may not even be read while it runs)
-                    word = (ds_off + (16 * (tid // 32) + g) * DS_PITCH + 16 * kk + 2 * t) // 2
+                if ATOMIC_DQ and not DS_MN:  # step 1e's dSᵀ: the packed pairs to the shared [key][query]
+                    # tile (before the dK product is issued: a wgmma's A registers may not even be read while
+                    # it runs)
+                    word = (DS_OFF + ds_buf + (16 * (tid // 32) + g) * DS_PITCH + 16 * kk + 2 * t) // 2
                     smem32[word] = SA[kk, 0]
                     smem32[word + 4 * DS_PITCH] = SA[kk, 1]  # 8 keys down: 8 · DS_PITCH / 2 words
                     smem32[word + 4] = SA[kk, 2]  # 8 queries right
                     smem32[word + 4 * DS_PITCH + 4] = SA[kk, 3]
+                if ATOMIC_DQ and DS_MN:  # the same in the MN-major layout: pair (key, queries q, q + 1) is 4
+                    # bytes of key's swizzled row; keys g and g + 8 are one 8-row atom (1024 bytes) apart,
+                    # queries q and q + 8 one 16-byte chunk (before the swizzle).  Each store's 32 lanes hit 32
+                    # banks: 8 keys, each its own chunk, × 4 pairs.
+                    for half in range(2):
+                        q8 = 16 * kk + 8 * half  # the first query of the A fragment's half (+ 2t)
+                        word = u64(2 * (DS_OFF + ds_buf) + (q8 // PANEL) * DS_LBO
+                                   + 16 * ((((q8 % PANEL) // 8) ^ g) & 7) + 4 * t + ds_row) // 4
+                        smem32[word] = SA[kk, 2 * half]
+                        smem32[word + 256] = SA[kk, 2 * half + 1]  # key g + 8: 1024 bytes on
             dk_t = HW.wgmma_fence_operand(HW.acc_from_array(dK, SLICE) if EACH_TILE else dk_t)
             HW.wgmma_fence()
             dk_t = rs_prod(dk_t, SA, q_desc_n + buf_off)
@@ -680,10 +739,13 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
                 HW.named_barrier_arrive(EMPTY + buf, HANDSHAKE)
             if ATOMIC_DQ:
                 # Step 1e: dQ_i += dS K_j, added into the float32 accumulator in global memory.  It needs
-                # every key of the tile: every warp's rows of dSᵀ are written.  (ldmatrix reads through the
-                # generic proxy, so no proxy fence.)  ws: the consumers only, at a named barrier; the two dSᵀ
-                # buffers alternate, and a warpgroup overwrites one only after passing the next tile's barrier,
-                # which the other reaches after its reads of this one.
+                # every key of the tile: every warp's rows of dSᵀ are written (ldmatrix reads through the
+                # generic proxy; ds_mn_major: the tensor cores read them through the async proxy, so fenced).
+                # ws: the consumers only, at a named barrier; the two dSᵀ buffers alternate, and a warpgroup
+                # overwrites one only after passing the next tile's barrier, which the other reaches after its
+                # reads of this one (its dQ product, waited for below).
+                if DS_MN:
+                    HW.fence_proxy_async()
                 if WS:
                     HW.named_barrier_sync(DS_READY, CONSUMERS)
                 else:
@@ -692,13 +754,18 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
                     for c in range(MY_CHUNKS):
                         mc = chunk0 + c
                         q_row0 = 64 * mc + 16 * (tid // 32 % 4)  # the warp's 16 queries of the chunk
-                        for kk in range(M_STEPS):  # dS = (dSᵀ)ᵀ: ldmatrix.trans gives the A fragments
-                            a = I.ldmatrix_x4_trans(smem, ds_off + (16 * kk + bt_row) * DS_PITCH + q_row0 + bt_col)
-                            for i in range(4):
-                                DA[kk, i] = a[i]
+                        if not DS_MN:
+                            for kk in range(M_STEPS):  # dS = (dSᵀ)ᵀ: ldmatrix.trans gives the A fragments
+                                a = I.ldmatrix_x4_trans(smem, DS_OFF + ds_buf + (16 * kk + bt_row) * DS_PITCH
+                                                        + q_row0 + bt_col)
+                                for i in range(4):
+                                    DA[kk, i] = a[i]
                         dq_t = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(DQ_N))
                         HW.wgmma_fence()
-                        dq_t = dq_prod(dq_t, DA, k_desc_n)
+                        if DS_MN:  # dS = (dSᵀ)ᵀ: the chunk's panel of the tile, read MN-major by the wgmma
+                            dq_t = dq_prod(dq_t, ds_desc + u64((2 * ds_buf + mc * DS_LBO) >> 4), k_desc_n)
+                        else:
+                            dq_t = dq_prod(dq_t, DA, k_desc_n)
                         HW.wgmma_commit_group()
                         HW.wgmma_wait_group(0)  # (dV, dK too: groups complete in order)
                         HW.acc_to_array(HW.wgmma_fence_operand(dq_t), dQ)
@@ -712,7 +779,7 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
                                 addr = dq_base + (q_start + q_row0 + g + 8 * r) * dq_row_bytes + 4 * dq_col0
                                 for n in range(DQ_TILES):
                                     I.red_add_f32x2(addr + 32 * n, dQ[n, 2 * r], dQ[n, 2 * r + 1])
-                # (the next tile's barrier comes after every warp's ldmatrix of this dSᵀ; ws: see above)
+                # (the next tile's barrier comes after every warpgroup's dQ product of this dSᵀ; ws: see above)
             if EACH_TILE and not EARLY_WAIT:  # both products read Q_i, dO_i, refilled after the next barrier
                 HW.wgmma_wait_group(0)
                 HW.acc_to_array(HW.wgmma_fence_operand(dv_t), dV)

@@ -18,10 +18,13 @@ The instructions
     read it themselves.  Only D lives in registers, N/2 float32 per thread.  The
     instruction is *asynchronous*: it returns at once, and the accumulators may
     be neither read nor written until a :func:`wgmma_wait_group` covers it.
-    Here both A and B come from shared memory (the "SS" form), both K-major
-    (``imm-trans-a = imm-trans-b = 0``: a row of A, and a row of B, is 16
-    consecutive k), ``imm-scale-a = imm-scale-b = 1``.  ``scale_d`` is a runtime
-    predicate: 0 computes D = A·Bᵀ, ignoring the old D (the first k-step).
+    Here both A and B come from shared memory (the "SS" form), K-major by
+    default (``imm-trans-a = imm-trans-b = 0``: a row of A, and a row of B, is
+    16 consecutive k) or either one MN-major (:func:`wgmma` with ``trans_a`` /
+    ``trans_b``: 16 consecutive bytes hold 8 rows of one k, so a tile stored
+    transposed is read as it is), ``imm-scale-a = imm-scale-b = 1``.
+    ``scale_d`` is a runtime predicate: 0 computes D = A·Bᵀ, ignoring the old D
+    (the first k-step).
 Register-A form (:func:`wgmma_rs`)
     The same product with A (64×16) in registers: four 32-bit registers per
     thread, laid out per warp as the A fragment of ``mma.m16n8k16`` — which is
@@ -685,18 +688,20 @@ def _same_for_all(ops, key):
     return first
 
 
-def _sim_wgmma(n, to_f32, desc_a, desc_b, acc, scale_d):
+def _sim_wgmma(n, to_f32, trans_a, trans_b, desc_a, desc_b, acc, scale_d):
     slot = (int(desc_a), int(desc_b), bool(scale_d), tuple(np.float32(x) for x in acc))
-    return _sim_issue(n, acc, slot, functools.partial(_sim_wgmma_tile, n, to_f32))
+    return _sim_issue(n, acc, slot, functools.partial(_sim_wgmma_tile, n, to_f32, trans_a, trans_b))
 
 
-def _sim_wgmma_tile(n, to_f32, ops):
+def _sim_wgmma_tile(n, to_f32, trans_a, trans_b, ops):
     """The whole warpgroup's D (128 × N/2 float32) from the 128 threads' operands."""
     desc_a, desc_b, scale_d = _same_for_all(ops, lambda op: op[:3])
     space = _sim_block_state("_nbflash_smem", _SimSharedSpace)
     k = np.arange(16)[None, :]
-    a = to_f32(space.read_u16(smem_desc_address(desc_a, np.arange(64)[:, None], k))).astype(np.float64)
-    b = to_f32(space.read_u16(smem_desc_address(desc_b, np.arange(n)[:, None], k))).astype(np.float64)
+    a = to_f32(space.read_u16(smem_desc_address(desc_a, np.arange(64)[:, None], k, mn_major=trans_a)))
+    a = a.astype(np.float64)
+    b = to_f32(space.read_u16(smem_desc_address(desc_b, np.arange(n)[:, None], k, mn_major=trans_b)))
+    b = b.astype(np.float64)
     d = a @ b.T  # products of f16/bf16 are exact; the sum is rounded once (the hardware's adder differs slightly)
     return _sim_accumulate(n, d, scale_d, [op[3] for op in ops])
 
@@ -835,28 +840,37 @@ def _sim_named_barrier_arrive(barrier_id, count):
     _sim_named_barrier(int(barrier_id), int(count), False)
 
 
-def _make_sim_wgmma(n, kind):
+def _ss_name(n, kind, trans_a, trans_b):
+    return f"wgmma_m64n{n}k16_{kind}" + ("_ta" if trans_a else "") + ("_tb" if trans_b else "")
+
+
+def _major(trans):
+    return "MN-major (``imm-trans = 1``: 8 consecutive rows of one k in 16 bytes)" if trans else "K-major"
+
+
+def _make_sim_wgmma(n, kind, trans_a=False, trans_b=False):
     to_f32 = f16_bits_to_f32 if kind == "f16" else bf16_bits_to_f32
 
     def wgmma(desc_a, desc_b, acc, scale_d):
-        return _sim_wgmma(n, to_f32, desc_a, desc_b, acc, scale_d)
+        return _sim_wgmma(n, to_f32, trans_a, trans_b, desc_a, desc_b, acc, scale_d)
 
-    wgmma.__name__ = f"wgmma_m64n{n}k16_{kind}"
+    wgmma.__name__ = _ss_name(n, kind, trans_a, trans_b)
     wgmma.__doc__ = f"""D = A·Bᵀ + D for a 64×{n} tile by one warpgroup (128 threads); {kind} inputs, f32 accumulators.
 
     PTX: ``wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} {{d0..d{n // 2 - 1}}}, desc_a, desc_b,
-    p, 1, 1, 0, 0`` with ``p = scale_d != 0``; sm_90a.  Every thread of the warpgroup must call it
-    with the same descriptors and scale_d.
+    p, 1, 1, {int(trans_a)}, {int(trans_b)}`` with ``p = scale_d != 0``; sm_90a.  Every thread of the warpgroup
+    must call it with the same descriptors and scale_d.
 
-    ``desc_a``: descriptor (:data:`d_make_smem_desc`) of A, 64×16, K-major in shared memory;
-    ``desc_b``: of B, {n}×16, K-major (a row of B is a column of the product: D = A·Bᵀ, like Q·Kᵀ);
+    ``desc_a``: descriptor (:data:`d_make_smem_desc`) of A, 64×16, {_major(trans_a)} in shared memory;
+    ``desc_b``: of B, {n}×16, {_major(trans_b)} (a row of B is a column of the product: D = A·Bᵀ, like Q·Kᵀ);
     ``acc``: this thread's {n // 2} float32 accumulators (a tuple; :func:`wgmma_acc_zeros` to start),
     laid out as :func:`acc_frag_index` says; ``scale_d``: 0 to ignore ``acc`` (D = A·Bᵀ).
     Returns the new accumulators — valid only after :func:`wgmma_commit_group`,
     :func:`wgmma_wait_group` and :func:`wgmma_fence_operand`.
 
     Simulator: the threads exchange operands; A and B are read from the simulated shared memory at
-    the addresses :func:`smem_desc_address` gives; products exact, the sum in float64 rounded once.
+    the addresses :func:`smem_desc_address` gives (``mn_major={bool(trans_a)}`` for A, ``{bool(trans_b)}`` for B);
+    products exact, the sum in float64 rounded once.
     """
     return wgmma
 
@@ -1095,14 +1109,14 @@ def _gpu_wgmma_acc_zeros(typingctx, n):
     return sig, codegen
 
 
-def _make_gpu_wgmma(n, kind):
+def _make_gpu_wgmma(n, kind, trans_a=False, trans_b=False):
     count = n // 2
     regs = ", ".join(f"${i}" for i in range(count))
     a, b, s = 2 * count, 2 * count + 1, 2 * count + 2  # operand numbers: outputs, tied inputs, then these
     ptx = ("{ .reg .pred p; "
            f"setp.ne.b32 p, ${s}, 0; "
            f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} "
-           f"{{{regs}}}, ${a}, ${b}, p, 1, 1, 0, 0; }}")
+           f"{{{regs}}}, ${a}, ${b}, p, 1, 1, {int(bool(trans_a))}, {int(bool(trans_b))}; }}")
     constraints = ",".join(["=f"] * count + [str(i) for i in range(count)] + ["l", "l", "r"]) + ",~{memory}"
 
     def wgmma(typingctx, desc_a, desc_b, acc, scale_d):
@@ -1126,7 +1140,7 @@ def _make_gpu_wgmma(n, kind):
 
         return sig, codegen
 
-    wgmma.__name__ = f"wgmma_m64n{n}k16_{kind}"
+    wgmma.__name__ = _ss_name(n, kind, trans_a, trans_b)
     return intrinsic(wgmma)
 
 
@@ -1232,19 +1246,20 @@ setmaxnreg_inc = _public(_sim_setmaxnreg, lambda: _make_gpu_setmaxnreg("inc"))
 setmaxnreg_dec = _public(_sim_setmaxnreg, lambda: _make_gpu_setmaxnreg("dec"))
 wgmma_acc_zeros = _public(_sim_wgmma_acc_zeros, lambda: _gpu_wgmma_acc_zeros)
 
-_WGMMA = {(n, kind): _public(_make_sim_wgmma(n, kind), functools.partial(_make_gpu_wgmma, n, kind))
-          for n in WGMMA_N for kind in ("f16", "bf16")}
+_WGMMA = {(n, kind, ta, tb): _public(_make_sim_wgmma(n, kind, ta, tb),
+                                     functools.partial(_make_gpu_wgmma, n, kind, ta, tb))
+          for n in WGMMA_N for kind in ("f16", "bf16") for ta in (False, True) for tb in (False, True)}
 
-wgmma_m64n8k16_f16 = _WGMMA[8, "f16"]
-wgmma_m64n8k16_bf16 = _WGMMA[8, "bf16"]
-wgmma_m64n16k16_f16 = _WGMMA[16, "f16"]
-wgmma_m64n16k16_bf16 = _WGMMA[16, "bf16"]
-wgmma_m64n32k16_f16 = _WGMMA[32, "f16"]
-wgmma_m64n32k16_bf16 = _WGMMA[32, "bf16"]
-wgmma_m64n64k16_f16 = _WGMMA[64, "f16"]
-wgmma_m64n64k16_bf16 = _WGMMA[64, "bf16"]
-wgmma_m64n128k16_f16 = _WGMMA[128, "f16"]
-wgmma_m64n128k16_bf16 = _WGMMA[128, "bf16"]
+wgmma_m64n8k16_f16 = _WGMMA[8, "f16", False, False]
+wgmma_m64n8k16_bf16 = _WGMMA[8, "bf16", False, False]
+wgmma_m64n16k16_f16 = _WGMMA[16, "f16", False, False]
+wgmma_m64n16k16_bf16 = _WGMMA[16, "bf16", False, False]
+wgmma_m64n32k16_f16 = _WGMMA[32, "f16", False, False]
+wgmma_m64n32k16_bf16 = _WGMMA[32, "bf16", False, False]
+wgmma_m64n64k16_f16 = _WGMMA[64, "f16", False, False]
+wgmma_m64n64k16_bf16 = _WGMMA[64, "bf16", False, False]
+wgmma_m64n128k16_f16 = _WGMMA[128, "f16", False, False]
+wgmma_m64n128k16_bf16 = _WGMMA[128, "bf16", False, False]
 
 
 _WGMMA_RS = {(n, kind, tb): _public(_make_sim_wgmma_rs(n, kind, tb), functools.partial(_make_gpu_wgmma_rs, n, kind, tb))
@@ -1263,9 +1278,14 @@ bulk_wait_group = _public(_sim_bulk_wait_group,
                           lambda: _make_gpu_wait("bulk_wait_group", "cp.async.bulk.wait_group"))
 
 
-def wgmma(n, kind):
-    """The ``wgmma_m64n{n}k16_{kind}`` function (``kind``: ``"f16"`` or ``"bf16"``), for kernel factories."""
-    return _WGMMA[n, kind]
+def wgmma(n, kind, trans_a=False, trans_b=False):
+    """The ``wgmma_m64n{n}k16_{kind}`` function (``kind``: ``"f16"`` or ``"bf16"``), for kernel factories.
+
+    ``trans_a`` / ``trans_b``: that operand is MN-major in shared memory (``_ta`` / ``_tb``; 16-bit inputs
+    only, which these are): a tile stored as rows of k, such as a dSᵀ tile ``[key][query]`` read as the A of
+    dS·K.
+    """
+    return _WGMMA[n, kind, bool(trans_a), bool(trans_b)]
 
 
 def wgmma_rs(n, kind, trans_b=False):

@@ -14,6 +14,8 @@ with nothing in local memory and no spills.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from test_backward_tc import check_against_reference, run_backward
@@ -108,21 +110,27 @@ ATOMIC_CASES = [
     ("bfloat16", True, 70, 37, 64, 64, "bshd"),  # two query tiles, the second ragged; rows that see no key
     ("float16", False, 37, 70, 40, 64, "bhsd"),  # D padded to a panel; two key blocks add into the same dQ rows
     ("bfloat16", False, 33, 70, 96, 128, "bhsd"),  # two warpgroups, a panel of dQ's columns each; a ragged block
+    # three query tiles: ws reuses the first dSᵀ buffer (tile 2 after tile 1's barrier), the others refill a stage
+    ("float16", False, 150, 70, 64, 128, "bshd"),
 ]
 
 
 @hopper
 @pytest.mark.parametrize("kind,causal,n_q,n_k,d,block_m,layout", ATOMIC_CASES)
-@pytest.mark.parametrize("ws,bulk", [(False, False), (True, False), (True, True)])
-def test_backward_wgmma_atomic_dq(xp, rng, kind, causal, n_q, n_k, d, block_m, layout, ws, bulk):
+@pytest.mark.parametrize("ws,bulk,mn", [(False, False, False), (True, False, False), (True, True, False),
+                                         (False, False, True), (True, True, True)])
+def test_backward_wgmma_atomic_dq(xp, rng, kind, causal, n_q, n_k, d, block_m, layout, ws, bulk, mn):
     """dQ by float32 atomics inside the dK/dV kernel: dSᵀ through a shared tile, read back transposed by
     ldmatrix as the A operand of ``dQ_i += dS K_j`` (K_j N-major), each warpgroup adding its panel of
     columns into the padded accumulator; then the SIMT conversion.  ``ws``: the warp-specialised kernel, its
     consumers meeting at a named barrier over two alternating dSᵀ tiles.  ``bulk``: each warp stages its part
     of dQ_i in shared memory and one bulk reduction per warp and tile adds it into an accumulator in fragment
     order, read back by ``backward_tc``'s tiled conversion (the simulator performs a reduction only at the wait
-    that covers its read, so a staging rewritten too early, or never waited for, gives a wrong dq)."""
-    cfg = B.WGBackwardConfig(block_m, 64, d, kind, dkdv_ws=ws, bulk_dq=bulk)
+    that covers its read, so a staging rewritten too early, or never waited for, gives a wrong dq).  ``mn``: the
+    dSᵀ tile stored swizzled and read MN-major by the dQ wgmma itself (``ds_mn_major``).  (Its proxy fence is
+    not tested here: the simulator's check is per block and passes once any thread has fenced, which the
+    kernel's other fences do; the GPU tests run it.)"""
+    cfg = B.WGBackwardConfig(block_m, 64, d, kind, dkdv_ws=ws, bulk_dq=bulk, ds_mn_major=mn)
     assert B.takes_atomic(cfg)
     got, values, scale = run_backward(xp, rng, n_q, n_k, d, kind, causal, False, layout=layout, heads=1, cfg=cfg,
                                       launch=launch)
@@ -246,6 +254,16 @@ def test_config_validation():
     # step 1e with ws: two alternating dSᵀ tiles of 128 keys × (64 + 8) queries; bulk_dq: + dQ_i's float32 staging
     red = B.WGBackwardConfig(128, 64, 128, "bfloat16", dkdv_ws=True)
     assert B.shared_bytes(red, "dkdv_atomic") == B.shared_bytes(red, "dkdv") + 2 * 128 * 72 * 2
+    # ds_mn_major: 128 × 64 each, unpadded (swizzled), from a 1024-byte line (the dK/dV layout's 132,096 B is one)
+    mn = B.WGBackwardConfig(128, 64, 128, "bfloat16", dkdv_ws=True, ds_mn_major=True)
+    assert B.shared_bytes(mn, "dkdv") == 132_096 == 129 * 1024
+    assert B.shared_bytes(mn, "dkdv_atomic") == B.shared_bytes(mn, "dkdv") + 2 * 128 * 64 * 2
+    assert B.ds_panel_bytes(mn) == 128 * 128 and B.ds_pitch(mn) == 64
+    odd = B.WGBackwardConfig(64, 16, 40, "bfloat16")  # 16-query tiles: a layout that ends off a 1024-byte line
+    assert B.shared_offsets(odd, odd.dkdv_stages)[-1] * 2 % 1024 != 0 and B.dq_staging(odd)[0] * 2 % 1024 != 0
+    assert B.dq_staging(dataclasses.replace(odd, block_n=64, ds_mn_major=True))[0] * 2 % 1024 == 0
+    with pytest.raises(ValueError, match="ds_mn_major"):
+        B.WGBackwardConfig(64, 16, 40, "bfloat16", ds_mn_major=True)  # 16-query tiles: no atomic route
     bulk = B.WGBackwardConfig(128, 64, 128, "bfloat16", dkdv_ws=True, bulk_dq=True)
     assert B.shared_bytes(bulk, "dkdv_atomic") == B.shared_bytes(red, "dkdv_atomic") + 64 * 128 * 4 <= 227 * 1024
     assert bulk.dq_cols == 64 and bulk.dq_tiles.warp_tile == (16, 64) and bulk.dq_tiles.rows == 64

@@ -24,7 +24,7 @@ from offline import TESTS, offline_json_rows
 
 from nbflash import hopper as H
 from nbflash import intrinsics as I
-from nbflash._device import SIMULATOR, compute_capability, cuda, kernel, numba
+from nbflash._device import SIMULATOR, compute_capability, cuda, device_function, kernel, numba
 
 sim_only = pytest.mark.skipif(not SIMULATOR, reason="simulator test")
 KINDS = ["f16", "bf16"]
@@ -126,6 +126,22 @@ def tile_layout(swizzle, n):
 
 
 @functools.cache
+def wait_and_store(n):
+    """``finish(acc, out, tid)``: commit the warpgroup's products, wait for them, and write this thread's
+    accumulators of the 64 × n tile to ``out`` where :func:`~nbflash.hopper.acc_frag_index` puts them."""
+
+    def finish(acc, out, tid):
+        H.wgmma_commit_group()
+        H.wgmma_wait_group(0)
+        acc = H.wgmma_fence_operand(acc)
+        for i in range(n // 2):
+            r, c = H.d_acc_frag_index(tid, i)
+            out[r, c] = acc[i]
+
+    return device_function(finish)
+
+
+@functools.cache
 def wgmma_kernel(kind, n, swizzle, broken=None):
     """D (64×n) = A (64×K) · Bᵀ (B: n×K) through wgmma; K = 16 (no swizzle) or 64 (128B swizzle, 4 k-steps).
 
@@ -144,6 +160,8 @@ def wgmma_kernel(kind, n, swizzle, broken=None):
     b_off = -(-a_bytes // 1024) * 1024  # B's tile starts 1024-byte aligned too
     smem_elems = (b_off + n * K * 2) // 2
     steps = K // 16
+
+    finish = wait_and_store(n)
 
     @kernel
     def wgmma_tile(a, b, out):
@@ -179,12 +197,7 @@ def wgmma_kernel(kind, n, swizzle, broken=None):
             da = H.d_make_smem_desc(addr_a + 32 * s, a_lbo, a_sbo, swizzle)
             db = H.d_make_smem_desc(addr_b + 32 * s, b_lbo, b_sbo, swizzle)
             acc = mma(da, db, acc, s > 0)
-        H.wgmma_commit_group()
-        H.wgmma_wait_group(0)
-        acc = H.wgmma_fence_operand(acc)
-        for i in range(n // 2):
-            r, c = H.d_acc_frag_index(tid, i)
-            out[r, c] = acc[i]
+        finish(acc, out, tid)  # wait, and write the accumulators out
 
     return wgmma_tile
 
@@ -342,8 +355,6 @@ def test_wgmma_compiles_and_assembles_for_sm90a():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind,n,swizzle", CASES + [("bf16", 64, H.SWIZZLE_128B), ("f16", 32, H.SWIZZLE_NONE)])
 def test_wgmma_on_gpu(rng, xp, kind, n, swizzle):
-    from nbflash._device import compute_capability
-
     if compute_capability() != (9, 0):
         pytest.skip("wgmma needs an sm_90 (Hopper) GPU")
     out, a, b = run_wgmma(rng, kind, n, swizzle, xp=xp)
@@ -388,6 +399,8 @@ def wgmma_rs_kernel(kind, n, trans_b, broken=None):
     swap = broken == "a_rows"
     SMEM_ELEMS = max(4096, 64 * n)  # 16 k-rows of every 64-column panel of B (N-major), or n rows (K-major)
 
+    finish = wait_and_store(n)
+
     @kernel
     def wgmma_rs_tile(a, b, out):
         tid = cuda.threadIdx.x
@@ -412,12 +425,7 @@ def wgmma_rs_kernel(kind, n, trans_b, broken=None):
         H.wgmma_fence()
         desc = H.d_make_smem_desc(H.smem_address(smem, 0), lbo if trans_b else 16, 1024, H.SWIZZLE_128B)
         acc = mma(a0, a1, a2, a3, desc, acc, 0)
-        H.wgmma_commit_group()
-        H.wgmma_wait_group(0)
-        acc = H.wgmma_fence_operand(acc)
-        for i in range(n // 2):
-            r, c = H.d_acc_frag_index(tid, i)
-            out[r, c] = acc[i]
+        finish(acc, out, tid)  # wait, and write the accumulators out
 
     return wgmma_rs_tile
 
@@ -432,20 +440,6 @@ def run_wgmma_rs(rng, kind, n, trans_b, broken=None, xp=np):
 
 
 RS_CASES = [("f16", 64, True), ("bf16", 128, True), ("f16", 16, False), ("bf16", 64, False)]
-
-
-@sim_only
-@pytest.mark.parametrize("kind,n,trans_b", RS_CASES)
-def test_wgmma_rs_matches_numpy(rng, kind, n, trans_b):
-    out, a, b = run_wgmma_rs(rng, kind, n, trans_b)
-    assert_product(out, a, b)
-
-
-@sim_only
-def test_wgmma_rs_test_catches_a_wrong_fragment(rng):
-    out, a, b = run_wgmma_rs(rng, "f16", 64, True, broken="a_rows")
-    with pytest.raises(AssertionError):
-        assert_product(out, a, b)
 
 
 @sim_only
@@ -466,14 +460,106 @@ def test_acc_from_array_round_trip():
     assert np.array_equal(out, np.arange(16)[None, :] + 100 * np.arange(2)[:, None])
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind,n,trans_b", RS_CASES + [("f16", 256, True), ("bf16", 192, True)])
-def test_wgmma_rs_on_gpu(rng, xp, kind, n, trans_b):
-    from nbflash._device import compute_capability
+# ----------------------------------------------------------------------------
+# Shared × shared with A MN-major (a transposed tile, as dSᵀ read as the A of dS·K)
+# ----------------------------------------------------------------------------
 
+TT_STEPS = 2  # two k-steps: the descriptor steps 2048 bytes (16 k-rows) for both operands
+
+
+@functools.cache
+def wgmma_tt_kernel(kind, n, trans_b, broken=None):
+    """D (64×n) = A (64×32) · B (32×n), both from shared memory 128B-swizzled, A stored *transposed*
+    (``aᵀ[k][m]``, MN-major: ``trans_a``), B N-major (``trans_b``, stored ``b[k][c]``) or K-major.
+    ``broken="k_major_a"``: the same bytes read as a K-major A (no ``trans_a``)."""
+    K = 16 * TT_STEPS
+    mma = H.wgmma(n, kind, trans_a=broken != "k_major_a", trans_b=trans_b)
+    a_lbo = 16 * 128 * TT_STEPS  # one 64-wide panel of M (A has only one)
+    b_lbo = 16 * 128 * TT_STEPS  # N-major B: 64-column panels of n, K k-rows of 128 bytes each
+    B_OFF = 64 * K  # 16-bit elements: A's 32 k-rows × 128 bytes, so B starts 1024-byte aligned
+    SMEM_ELEMS = max(B_OFF + max(64, n) * K, 6144)  # (room for the broken read: 64 K-major rows, a step on)
+
+    finish = wait_and_store(n)
+
+    @kernel
+    def wgmma_tt_tile(at, b, out):
+        tid = cuda.threadIdx.x
+        smem = cuda.shared.array(SMEM_ELEMS, numba.uint16, alignment=SMEM_ALIGN)
+        for e in range(tid, 64 * K, 128):
+            k = e // 64
+            m = e % 64
+            smem[H.d_mnmajor_sw128_offset(m, k, a_lbo) // 2] = at[k, m]
+        for e in range(tid, K * n, 128):
+            k = e // n
+            c = e % n
+            off = H.d_mnmajor_sw128_offset(c, k, b_lbo) if trans_b else (k // 64) * n * 128 + H.d_kmajor_sw128_offset(
+                c, k % 64)
+            smem[B_OFF + off // 2] = b[k, c]
+        H.fence_proxy_async()  # my st.shared writes → visible to the tensor cores
+        cuda.syncthreads()  # ... and everyone's
+        acc = H.wgmma_fence_operand(H.wgmma_acc_zeros(n))
+        H.wgmma_fence()
+        addr_a = H.smem_address(smem, 0)
+        addr_b = H.smem_address(smem, B_OFF)
+        for s in range(TT_STEPS):
+            da = H.d_make_smem_desc(addr_a + 2048 * s, a_lbo, 1024, H.SWIZZLE_128B)
+            db = H.d_make_smem_desc(addr_b + 2048 * s, b_lbo, 1024, H.SWIZZLE_128B) if trans_b else \
+                H.d_make_smem_desc(addr_b + 32 * s, 16, 1024, H.SWIZZLE_128B)
+            acc = mma(da, db, acc, s > 0)
+        finish(acc, out, tid)  # wait, and write the accumulators out
+
+    return wgmma_tt_tile
+
+
+def run_wgmma_tt(rng, kind, n, trans_b, broken=None, xp=np):
+    at_bits, at = to_bits(rng.standard_normal((16 * TT_STEPS, 64)), kind)
+    b_bits, b = to_bits(rng.standard_normal((16 * TT_STEPS, n)), kind)
+    out = xp.full((64, n), np.nan, dtype=np.float32)
+    wgmma_tt_kernel(kind, n, trans_b, broken)[1, 128](xp.asarray(at_bits), xp.asarray(b_bits), out)
+    out = out.get() if hasattr(out, "get") else out
+    return out, at.T, b.T  # assert_product takes A as m × k and B as n × k
+
+
+TT_CASES = [("bf16", 64, True), ("f16", 128, True), ("bf16", 32, False)]
+
+
+def test_mn_major_a_in_the_ptx():
+    """The transposed forms emit the PTX's ``imm-trans-a`` / ``imm-trans-b`` immediates (docstrings both builds
+    carry), and the default stays K-major."""
+    assert "p, 1, 1, 1, 1``" in H.wgmma(64, "bf16", trans_a=True, trans_b=True).__doc__
+    assert "p, 1, 1, 1, 0``" in H.wgmma(64, "bf16", trans_a=True).__doc__
+    assert "p, 1, 1, 0, 0``" in H.wgmma(64, "bf16").__doc__
+    assert H.wgmma(64, "bf16") is H.wgmma_m64n64k16_bf16
+
+
+# The register-A and MN-major-A forms share their checks: (form, kind, n, trans_b) rows.
+FORMS = {"rs": run_wgmma_rs, "tt": run_wgmma_tt}
+FORM_CASES = [("rs", *case) for case in RS_CASES] + [("tt", *case) for case in TT_CASES]
+FORM_GPU_CASES = FORM_CASES + [("rs", "f16", 256, True), ("rs", "bf16", 192, True), ("tt", "f16", 64, False)]
+
+
+@sim_only
+@pytest.mark.parametrize("form,kind,n,trans_b", FORM_CASES)
+def test_wgmma_forms_match_numpy(rng, form, kind, n, trans_b):
+    out, a, b = FORMS[form](rng, kind, n, trans_b)
+    assert_product(out, a, b)
+
+
+@sim_only
+@pytest.mark.parametrize("form,broken", [("rs", "a_rows"), ("tt", "k_major_a")])
+def test_wgmma_form_tests_catch_a_wrong_operand_read(rng, form, broken):
+    """A register fragment with its rows swapped, or an MN-major tile read as K-major, must fail the check."""
+    out, a, b = FORMS[form](rng, "bf16", 64, True, broken=broken)
+    with pytest.raises(AssertionError):
+        assert_product(out, a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form,kind,n,trans_b", FORM_GPU_CASES)
+def test_wgmma_forms_on_gpu(rng, xp, form, kind, n, trans_b):
     if compute_capability() != (9, 0):
         pytest.skip("wgmma needs an sm_90 (Hopper) GPU")
-    out, a, b = run_wgmma_rs(rng, kind, n, trans_b, xp=xp)
+    out, a, b = FORMS[form](rng, kind, n, trans_b, xp=xp)
     assert_product(out, a, b)
 
 
