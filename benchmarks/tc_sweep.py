@@ -77,14 +77,21 @@ WG_CANDIDATES = {
          (128, 128, "ws-overlap:3"), (128, 192, "ws-overlap:3"), (128, 128, "ws:2:tma"), (128, 64, "ws:3:tma"),
          (128, 128, "ws:3:tma"), (128, 128, "ws:2:tma:r"), (128, 128, "ws-overlap:3:tma:r"),
          (128, 192, "ws:2:tma:r"), (128, 192, "ws-overlap:3:tma:r"), (128, 128, "ws-overlap:4:tma:r"),
-         (128, 192, "ws-overlap:4:tma:r"), (128, 128, "ws:2:tma::p"), (128, 192, "ws-overlap:3:tma:r:p")],
+         (128, 192, "ws-overlap:4:tma:r"), (128, 128, "ws:2:tma::p"), (128, 192, "ws-overlap:3:tma:r:p"),
+         (128, 192, "ws-overlap:2:tma:r:p:s"), (128, 192, "ws-overlap:3:tma:r:p:s"), (128, 128, "ws:2:tma::p:s"),
+         (128, 192, "ws-overlap:3:tma:r:p::pin"), (128, 128, "ws-overlap:3:tma:r:p::pin"),
+         (128, 128, "ws-overlap:3:tma:r:p")],
     128: [(128, 128, "plain"), (128, 128, "overlap"), (128, 64, "overlap"), (64, 128, "overlap"),
           (128, 128, "pingpong"), (128, 64, "pingpong"), (128, 128, "ws:2"), (128, 128, "ws:3"), (128, 64, "ws:3"),
           (128, 64, "ws:4"), (128, 192, "ws:2"), (128, 128, "ws-overlap:3"), (128, 128, "ws-overlap:4"),
           (128, 64, "ws-overlap:4"), (128, 128, "ws:2:tma"), (128, 128, "ws:3:tma"), (128, 64, "ws:3:tma"),
           (128, 64, "ws:4:tma"), (128, 192, "ws:2:tma"), (128, 128, "ws-overlap:3:tma"),
           (128, 128, "ws:2:tma:r"), (128, 128, "ws-overlap:3:tma:r"), (128, 192, "ws:2:tma:r"),
-          (128, 128, "ws-overlap:3:tma:r:p")],
+          (128, 128, "ws-overlap:3:tma:r:p"), (128, 128, "ws-overlap:2:tma:r:p:s"),
+          (128, 128, "ws-overlap:3:tma:r:p:s"), (128, 176, "ws-overlap:2:tma:r:p:s"),
+          (128, 160, "ws-overlap:2:tma:r:p:s"), (128, 176, "ws-overlap:2:tma:r::s"),
+          (128, 128, "ws-overlap:3:tma:r::s"), (128, 128, "ws-overlap:3:tma:r:p::pin"),
+          (128, 192, "ws-overlap:2:tma:r:p:s")],
     256: [(128, 64, "overlap"), (128, 64, "ws:2"), (128, 32, "ws:3")],
 }
 
@@ -92,10 +99,12 @@ WG_CANDIDATES = {
 def wg_config(bm, bn, d, kind, pipe) -> W.WGConfig:
     """A :class:`~nbflash.forward_wgmma.WGConfig` from a candidate (``"ws:3"``: the ws pipeline, 3 stages;
     ``"ws:3:tma"``: the same with TMA copies; ``"ws:3:tma:r"``: and registers moved by ``setmaxnreg``;
-    ``"ws:3:tma:r:p"``: and persistent blocks)."""
-    name, stages, copies, regs, persist = (pipe.split(":") + [""] * 4)[:5]
+    ``"ws:3:tma:r:p"``: and persistent blocks; ``"ws-overlap:2:tma:r:p:s"``: K and V on their own mbarriers,
+    ``split_kv``; a seventh field ``pin``: ws-overlap's softmax pinned between its waits, ``pin_softmax=True``)."""
+    name, stages, copies, regs, persist, split, pin = (pipe.split(":") + [""] * 6)[:7]
     return W.WGConfig(bm, bn, d, kind, name, **({"stages": int(stages)} if stages else {}),
-                      **({"copies": copies} if copies else {}), setmaxnreg=regs == "r", persistent=persist == "p")
+                      **({"copies": copies} if copies else {}), setmaxnreg=regs == "r", persistent=persist == "p",
+                      split_kv=split == "s", pin_softmax=pin == "pin")
 #: Names accepted by --configs besides tags: choose_config's pick for each head dim and dtype, its split pipeline,
 #: the same with S = Q Kᵀ in straight-line groups of 1 or 2 k-steps (``qk_unroll``), and the wgmma kernel's pick;
 #: ``default-eager``: the pick with O rescaled at every key tile (``lazy_rescale=False``, FlashAttention-2's softmax);
@@ -118,14 +127,19 @@ def tag(cfg) -> str:
     each warpgroup also overlapping its softmax with its own P V; ``-tma``: the producer copies with TMA; ``-r``:
     ``setmaxnreg`` moves registers from the producer to the consumers; ``-eager`` (mma.sync): O rescaled at every
     key tile; ``-direct`` (mma.sync): O stored from the registers, not staged in shared memory; ``-lazy``
-    (wgmma): O rescaled only when a row's max moves past the slack; ``-p`` (wgmma): persistent blocks)."""
+    (wgmma): O rescaled only when a row's max moves past the slack; ``-p`` (wgmma): persistent blocks; ``-kv``
+    (wgmma): K and V on their own mbarriers and releases, ``split_kv``; ``-pin`` (wgmma): ws-overlap's softmax
+    pinned between its waits, ``pin_softmax=True``)."""
     if isinstance(cfg, W.WGConfig):
         suffix = {"plain": "-plain", "overlap": "", "pingpong": "-pp", "ws": f"-ws{cfg.stages}",
                   "ws-overlap": f"-wso{cfg.stages}"}[cfg.pipeline]
         copies = "-tma" if cfg.copies == "tma" else ""
         lazy = "-lazy" if cfg.lazy_rescale else ""
         persist = "-p" if cfg.persistent else ""
-        return f"wg{cfg.block_m}x{cfg.block_n}{suffix}{copies}{'-r' if cfg.setmaxnreg else ''}{lazy}{persist}"
+        split = "-kv" if cfg.split_kv else ""
+        pin = "-pin" if cfg.pin_softmax else ""
+        return (f"wg{cfg.block_m}x{cfg.block_n}{suffix}{copies}{'-r' if cfg.setmaxnreg else ''}{lazy}{persist}{split}"
+                f"{pin}")
     return (
         f"{cfg.block_m}x{cfg.block_n}{'' if cfg.q_in_regs else 's'}{'/2' if cfg.m_tiles == 2 else ''}"
         f"{'-split' if cfg.kv_pipeline == 'split' else ''}{f'-u{cfg.qk_unroll}' if cfg.qk_unroll else ''}"

@@ -320,7 +320,10 @@ def fragment_steps(n_tiles: int, d_tiles: int, head_dim: int, input_kind: str, l
                 m_new = m_tile if m_tile > m_old + SLACK else m_old
             else:
                 m_new = max(m_old, m_tile)
-            alpha[r] = I.ex2_approx(m_old - m_new) if m_new != m_old else ONE  # exactly 1 when not moved
+            # 2^0 = 1 exactly when the max did not move (also -inf to -inf).  The exponential is taken either way:
+            # a branch around it would end the basic block, and ptxas waits for every wgmma in flight at the
+            # first block boundary (forward_wgmma's overlapped softmax would wait for its P V here).
+            alpha[r] = I.ex2_approx(m_old - m_new if m_new != m_old else ZERO)
             m_i[r] = m_new
 
     def exponentiate(S, m_i, l_i, scale_log2, alpha):

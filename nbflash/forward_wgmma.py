@@ -130,8 +130,49 @@ softmax with its P V, as in ``"overlap"``: its turn issues S_j and
 O += P_{j-1} V_{j-1} together.  Tile j - 1 is released only after that P V,
 hence a third stage.  It needs about 200 registers per thread, so it takes
 ``setmaxnreg`` (without it, 168 registers: spills, and ptxas serialises the
-wgmmas).  The default from D = 72 to 128 (128 × 128), and at D <= 64 for long
-sequences (128 × 192).
+wgmmas).  The default with TMA up to D = 128: 128 × 128 tiles, and
+128 × 192 at D <= 64 for long sequences.
+
+What makes the overlap real is the shape of the code, not only the order of
+the calls.  ptxas waits for every wgmma in flight at the first basic-block
+boundary, and its scheduler pulls a ``wgmma.wait_group`` up to just before
+the first instruction that reads the awaited accumulators or overwrites the
+A registers they were issued with, interleaving the rest around it.  Until
+2026-12-05 the step had a conditional P V (none at tile 0: ptxas closed the
+empty group with a dummy ``HGMMA.64x8x16`` and the wait for S waited for
+P V too), a mask test and a branch around the rescale factor's exponential,
+and the softmax ran after P V had landed.  Now (SASS checked offline):
+
+* tile 0 of an item is its own step (S_0 alone, waited for), so every later
+  step issues both products unconditionally;
+* the steps that need no mask (all but the last tiles of a row,
+  :func:`~nbflash.masking.first_masked_tile`) are a separate loop whose body
+  has no branch from the first commit to the last wait;
+* the rescale factor's exponential is taken unconditionally.
+
+These three pay: 6–18 % at D = 128 and up to 8 % at D = 64 on the H100,
+against the kernel before them on the same machine (``docs/performance.md``,
+sessions 27–29).  ptxas still pulls the wait for P_{j-1} V_{j-1} up into the
+softmax of S_j.  ``pin_softmax=True`` keeps it out: O's rescale and the
+packing of P_j take their inputs through :func:`~nbflash.intrinsics.f32_after`
+the row sums, the softmax's last results, and a ``syncwarp`` (a NOP in SASS)
+before the wait holds the wait there, so every exponential of the tile is
+issued between the two waits.  It measured slower (3–8 % at D = 128, 11–17 %
+at D = 64 on the H100), so
+it is off: the ptxas schedule, which starts P_j V_j earlier, wins.  The
+masked steps (a row's last tiles) wait first either way.
+
+``split_kv`` (ws with TMA; FlashAttention-3's separate K and V pipelines):
+K_j and V_j land on their own mbarriers and are released on their own named
+barriers: K_j once the consumers' S_j has landed (``EMPTY + s``), V_j once
+their P_j V_j has (``VEMPTY + s``).  The producer issues K_j, then V_j, each
+after its own release, and a consumer waits for V_j only just before the
+product that reads it.  In ws-overlap, K_{j+1} then no longer waits for
+P_{j-1} V_{j-1}, so 2 stages do what 3 did: 160 KB instead of 224 KB at
+D = 128, room for wider 128 × 176 tiles (208 KB)::
+
+    producer:   … EMPTY(K_{j-1}) ─ K_{j+1} ─ VEMPTY(V_{j-1}) ─ V_{j+1} …
+    consumers:  S_j, P_{j-1}V_{j-1} issued ─ S_j landed: release K_j ─ softmax ─ P V landed: release V_{j-1}
 
 **Work items and persistent blocks** (the ws pipelines).  Their grid is
 1-D: a *work item* is one query tile of one (batch, head)
@@ -188,13 +229,14 @@ from ._device import (
     max_shared_per_block,
     multiprocessor_count,
     numba,
+    syncwarp,
     warp_uniform,
 )
 from ._tiles import LOG2E, make_tc_tile_copier
 from ._validate import tile_rows_problem
 from .forward_tc import fragment_steps
 from .forward_tc import kernel_signature as tc_kernel_signature
-from .masking import d_key_range, d_tile_needs_mask
+from .masking import d_first_masked_tile, d_key_range, d_tile_needs_mask
 
 __all__ = [
     "WGConfig",
@@ -238,12 +280,20 @@ class WGConfig:
     # ws with TMA: one block per multiprocessor, each taking work items (query tiles) in turn; the producer copies
     # the next item's tiles while the consumers finish this one (FlashAttention-3's persistent kernel).
     persistent: bool = False
+    # ws with TMA: K_j and V_j each have their own mbarrier and their own release, K_j freed once S_j has landed and
+    # V_j once P_j V_j has (FlashAttention-3's two pipelines); so ws-overlap runs on 2 stages.
+    split_kv: bool = False
+    # ws-overlap: keep ptxas from scheduling the wait for P_{j-1} V_{j-1} amid the softmax of S_j (the rescale
+    # factors and P_j taken through intrinsics.f32_after the row sums, a syncwarp before the wait; see
+    # ``pv_landed``).  Off by default: with ptxas placing the wait where it likes the kernel measured 3-17 % faster
+    # on the H100 (docs/performance.md, sessions 27-29).
+    pin_softmax: bool = False
 
     def __post_init__(self):
         if self.block_m not in (64, 128, 192):
             raise ValueError(f"block_m must be 64, 128 or 192 (64 rows per warpgroup), got {self.block_m}")
-        if self.block_n not in HW.WGMMA_N or self.block_n < 16:
-            raise ValueError(f"block_n must be one of {HW.WGMMA_N[1:]} (a wgmma N, 16 keys per k-step), "
+        if self.block_n not in HW.WGMMA_N or self.block_n % 16:
+            raise ValueError(f"block_n must be a multiple of 16 up to 256 (a wgmma N, 16 keys per k-step of P V), "
                              f"got {self.block_n}")
         if self.head_dim <= 0 or self.head_dim % 8 or self.head_dim > 256:
             raise ValueError(f"head_dim must be a multiple of 8 up to 256, got {self.head_dim}")
@@ -256,9 +306,15 @@ class WGConfig:
                              f"128, got {self.block_m}")
         if self.pipeline == "ws" and self.stages not in (2, 3, 4):
             raise ValueError(f"the ws pipeline has 2 to 4 K/V stages, got stages={self.stages}")
-        if self.pipeline == "ws-overlap" and self.stages not in (3, 4):
+        if self.pipeline == "ws-overlap" and self.stages not in ((2, 3, 4) if self.split_kv else (3, 4)):
             raise ValueError(f"the ws-overlap pipeline has 3 or 4 K/V stages (a tile is released only after the "
-                             f"next tile's S is computed), got stages={self.stages}")
+                             f"next tile's S is computed; 2 with split_kv), got stages={self.stages}")
+        if self.split_kv and not (self.warp_specialized and self.copies == "tma"):
+            raise ValueError(f"split_kv gives K and V their own mbarriers in a ws pipeline copying with TMA, not in "
+                             f"the {self.pipeline} pipeline with copies={self.copies!r}")
+        if self.pin_softmax and self.pipeline != "ws-overlap":
+            raise ValueError(f"pin_softmax orders the softmax against the ws-overlap pipeline's waits; the "
+                             f"{self.pipeline} pipeline has no such wait")
         if self.copies not in COPIES:
             raise ValueError(f"copies must be one of {COPIES}, got {self.copies!r}")
         if self.copies == "tma" and not self.warp_specialized:
@@ -469,21 +525,29 @@ def _forward_wgmma_kernel(cfg: WGConfig):
     SETMAXNREG = cfg.setmaxnreg  # ws: registers move from the producer to the consumers once the roles split
     PRODUCER_REGS, CONSUMER_REGS = REGISTERS
     PANELS = D_PAD // PANEL  # TMA boxes per tile: one per 64-column panel (columns past D arrive as zeros)
-    Q_BYTES, KV_BYTES = BLOCK_M * D_PAD * 2, 2 * BLOCK_N * D_PAD * 2  # bytes of Q_i, of K_j and V_j together
-    N_BARS = STAGES + 1  # TMA: the mbarriers of the stages and Q_i's
-    QBAR = STAGES  # TMA: the mbarrier of Q_i, after the stages' ("Q_i has landed"; phase n: the block's n-th item)
+    Q_BYTES, TILE_BYTES = BLOCK_M * D_PAD * 2, BLOCK_N * D_PAD * 2  # bytes of Q_i, of K_j (or of V_j)
+    PIN = cfg.pin_softmax  # ws-overlap: the softmax of S_j pinned between the waits for S_j and for P V
+    SPLIT = cfg.split_kv  # TMA: K_j and V_j on their own mbarriers, released on their own named barriers
+    N_BARS = (2 if SPLIT else 1) * STAGES + 1  # TMA: the stages' mbarriers (K's, then V's if split), then Q_i's
+    VBAR = STAGES if SPLIT else 0  # TMA: V of stage s lands on bars[VBAR + s] (split), else with its K on bars[s]
+    QBAR = N_BARS - 1  # TMA: the mbarrier of Q_i, after the stages' ("Q_i has landed"; phase n: the block's n-th item)
     QEMPTY = EMPTY + STAGES  # TMA: named barrier "both warpgroups are done with Q_i" (their item's last S)
+    # Named barriers "the V of stage s is free" (split: QEMPTY + 1 + s; with 4 stages the last is 15, the last there
+    # is); else V is freed with its K at EMPTY + s.
+    VEMPTY = QEMPTY + 1 if SPLIT else EMPTY
 
     @device_function
-    def issue_kv(smem, maps, bars, b, h, tile, stage):
-        """TMA: K_tile and V_tile into ``stage``, one box per 64-column panel; one arrival announcing all their
-        bytes at ``bars[stage]``, whose phase completes when the last byte lands."""
-        T.mbarrier_arrive_expect_tx(bars, stage, KV_BYTES)
+    def issue_tile(smem, maps, bars, b, h, tile, stage, kv, expect):
+        """TMA: K_tile (``kv = 1``) or V_tile (``kv = 2``) into ``stage``, one box per 64-column panel, landing on
+        the mbarrier of the stage's K (``bars[stage]``) or V (``bars[VBAR + stage]``: the same one unless split).
+        First one arrival there announcing ``expect`` bytes (0: none, the bytes are announced with K's), whose
+        phase completes when the last announced byte lands."""
+        bar = stage + (VBAR if kv == 2 else 0)
+        if expect > 0:
+            T.mbarrier_arrive_expect_tx(bars, bar, expect)
+        offset = (K_OFF if kv == 1 else V_OFF) + stage * KV_STRIDE
         for p in range(PANELS):
-            T.tma_load_4d(smem, K_OFF + stage * KV_STRIDE + p * BLOCK_N * PANEL, maps[1], PANEL * p,
-                          tile * BLOCK_N, h, b, bars, stage)
-            T.tma_load_4d(smem, V_OFF + stage * KV_STRIDE + p * BLOCK_N * PANEL, maps[2], PANEL * p,
-                          tile * BLOCK_N, h, b, bars, stage)
+            T.tma_load_4d(smem, offset + p * BLOCK_N * PANEL, maps[kv], PANEL * p, tile * BLOCK_N, h, b, bars, bar)
 
     @device_function
     def issue_q(smem, maps, bars, b, h, q_start):
@@ -502,13 +566,21 @@ def _forward_wgmma_kernel(cfg: WGConfig):
     @device_function
     def wait_full(bars, j):
         """ws, a consumer: wait until stage j % STAGES holds the block's tile j (counted over all its work items:
-        K_j, V_j; with cp.async, Q_i too with tile 0)."""
+        K_j, and V_j unless split; with cp.async, Q_i too with tile 0)."""
         if TMA:
             # The (j // STAGES)-th use of the stage: phases 0, 1, 0, ... of its mbarrier.
             while not T.mbarrier_try_wait_parity(bars, j % STAGES, (j // STAGES) % 2):
                 pass
         else:
             HW.named_barrier_sync(FULL + j % STAGES, HANDSHAKE)
+
+    @device_function
+    def wait_v(bars, j):
+        """ws with split_kv, a consumer: wait until V_j of the block's tile j has landed (its own mbarrier).
+        Without split_kv nothing: V_j landed with K_j."""
+        if SPLIT:
+            while not T.mbarrier_try_wait_parity(bars, VBAR + j % STAGES, (j // STAGES) % 2):
+                pass
     load_q = swizzled_tile_loader(BLOCK_M, LOAD_THREADS, D)
     load_kv = swizzled_tile_loader(BLOCK_N, LOAD_THREADS, D)
 
@@ -554,15 +626,74 @@ def _forward_wgmma_kernel(cfg: WGConfig):
         HW.acc_to_array(s, S)
 
     @device_function
-    def pv_landed(o_t, acc, alpha, P, S):
+    def pv_landed(o_t, acc, alpha, l_i, P, S):
         """Overlapped schedules: wait for O += P_{j-1} V_{j-1}, rescale O by the newest tile's ``alpha``, and only
-        now overwrite P_{j-1}'s registers (the in-flight wgmma read them) with P_j, packed from ``S``."""
+        now overwrite P_{j-1}'s registers (the in-flight wgmma read them) with P_j, packed from ``S``.
+
+        ptxas puts the wait right before the first instruction that reads O or overwrites P_{j-1}; left to
+        itself it would schedule the rescale and the packing of P_j, and so the wait, amid the exponentials of
+        the softmax this product should run under.  So the factors, and one value of each packed pair, are
+        taken through :func:`~nbflash.intrinsics.f32_after` the row sums ``l_i`` (the last result of the
+        softmax): 2 + BLOCK_N / 4 FFMAs a thread.  The ``syncwarp`` before the wait (a NOP in SASS, the
+        warp is converged) is a point the wait does not rise above: without it the wait still rose above the
+        exponentials (offline SASS, D = 128); with it alone, the exponentials sank below the wait."""
+        if PIN:  # (cfg.pin_softmax)
+            for r in range(2):
+                alpha[r] = I.f32_after(alpha[r], l_i[r])
+                for n in range(N_TILES):
+                    S[n, 2 * r] = I.f32_after(S[n, 2 * r], l_i[r])  # packed with S[n, 2r + 1] (p_frags)
+            syncwarp()
         HW.wgmma_wait_group(0)
         o_t = HW.wgmma_fence_operand(o_t)
         HW.acc_to_array(o_t, acc)
         rescale_rows(acc, alpha)
         for kk in range(PV_STEPS):
             p_frags(P, S, kk, kk)
+
+    def make_overlapped_tile(MASKED):
+        """ws-overlap's step for key tile j >= 1 of an item; ``MASKED``: the tile needs a mask (a compile-time
+        choice, so the unmasked step has no mask code)."""
+
+        @device_function
+        def overlapped_tile(S, P, acc, m_i, l_i, alpha, bars, q_desc, k_desc, v_desc, c, j, n_tiles, row0,
+                            seqlen_q, seqlen_k, causal, g, t, scale_log2, mine, other):
+            """Key tile j >= 1 of an item (the block's tile c + j): in my turn S_j = Q_i K_jᵀ and
+            O += P_{j-1} V_{j-1} (two groups), the softmax of S_j while P V still runs, then O rescaled and P_j
+            packed.  From the first commit to the last wait the code is one basic block: ptxas waits for every
+            wgmma in flight at the first block boundary, so a branch there (a mask test, a conditional product)
+            would put the whole softmax behind P V."""
+            stage = (c + j) % STAGES
+            prev = (c + j - 1) % STAGES
+            wait_full(bars, c + j)  # K_j (unless split, V_j; with cp.async and tile 0, Q_i) has landed
+            wait_v(bars, c + j - 1)  # split: V_{j-1} has landed (checked before the turn: a loop ends a block)
+            # In my turn: both products, then the other warpgroup's pair follows.
+            HW.named_barrier_sync(mine, PAIR)
+            s = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
+            o_t = HW.wgmma_fence_operand(HW.acc_from_array(acc, D_PAD))
+            HW.wgmma_fence()  # the accumulators (rescaled after tile j - 1) are written before wgmma reads them
+            s = qk_product(s, q_desc, k_desc + u64((stage * KV_STRIDE * 2) >> 4))
+            HW.wgmma_commit_group()
+            o_t = pv_product(o_t, P, v_desc + u64((prev * KV_STRIDE * 2) >> 4))
+            HW.wgmma_commit_group()
+            HW.named_barrier_arrive(other, PAIR)
+
+            # S_j is done (P_{j-1} V_{j-1} may still run): mask and softmax under the tensor cores' work.
+            s_landed(s, S)
+            if SPLIT:
+                HW.named_barrier_arrive(EMPTY + stage, HANDSHAKE)  # K_j is read: it may be refilled
+            if TMA and j == n_tiles - 1:
+                HW.named_barrier_arrive(QEMPTY, HANDSHAKE)  # my last S of the item: Q_i may be refilled
+            if MASKED:
+                mask_scores(S, row0, j * BLOCK_N, seqlen_q, seqlen_k, causal, g, t)
+            softmax_rows(S, m_i, l_i, scale_log2, alpha)  # S becomes P_j; O must be scaled by alpha
+            pv_landed(o_t, acc, alpha, l_i, P, S)
+            # V_{j-1} is free now, read by the product just waited for (without split_kv the whole tile j - 1:
+            # its K was read by S_{j-1}).
+            HW.named_barrier_arrive(VEMPTY + prev, HANDSHAKE)
+
+        return overlapped_tile
+
+    overlapped_tile, overlapped_masked_tile = make_overlapped_tile(False), make_overlapped_tile(True)
 
     # ws: 384 threads, so ptxas must keep to 65536 / 384 = 168 registers per thread (the launch bounds)
     @kernel(fastmath=True, launch_bounds=(THREADS, 1) if WS else None)
@@ -653,15 +784,24 @@ def _forward_wgmma_kernel(cfg: WGConfig):
                         if j == 0 and nq == 0 and issuer:
                             issue_q(smem, maps, bars, ib, ih, i_start)  # the block's first Q_i: a free buffer
                         if c >= STAGES:
-                            # Both warpgroups have waited for their last wgmma reading tile c - STAGES.
+                            # Both warpgroups have waited for their last wgmma reading tile c - STAGES (split: for
+                            # their S of it, the last to read its K).
                             HW.named_barrier_sync(EMPTY + c % STAGES, HANDSHAKE)
-                        if issuer:
-                            issue_kv(smem, maps, bars, ib, ih, j, c % STAGES)
+                        if issuer:  # K_j, and V_j with it unless split (the arrival announces both then)
+                            issue_tile(smem, maps, bars, ib, ih, j, c % STAGES, 1, TILE_BYTES * (1 if SPLIT else 2))
+                            if not SPLIT:
+                                issue_tile(smem, maps, bars, ib, ih, j, c % STAGES, 2, 0)
                         if j == 0 and nq > 0:
                             # Both warpgroups have waited for the previous item's last S: its Q_i is not read any more.
                             HW.named_barrier_sync(QEMPTY, HANDSHAKE)
                             if issuer:
                                 issue_q(smem, maps, bars, ib, ih, i_start)
+                        if SPLIT:
+                            if c >= STAGES:
+                                # Both warpgroups have waited for their P V of tile c - STAGES, the last to read its V.
+                                HW.named_barrier_sync(VEMPTY + c % STAGES, HANDSHAKE)
+                            if issuer:
+                                issue_tile(smem, maps, bars, ib, ih, j, c % STAGES, 2, TILE_BYTES)
                         c += 1
                     if i_tiles > 0:
                         nq += 1
@@ -670,6 +810,8 @@ def _forward_wgmma_kernel(cfg: WGConfig):
             # each named barrier's counts match before the block exits.
             for cc in range(max(c - STAGES, 0), c):
                 HW.named_barrier_sync(EMPTY + cc % STAGES, HANDSHAKE)
+                if SPLIT:
+                    HW.named_barrier_sync(VEMPTY + cc % STAGES, HANDSHAKE)
             if nq > 0:
                 HW.named_barrier_sync(QEMPTY, HANDSHAKE)
             # Done.  The thread ends here rather than running past the consumers' code: ptxas keeps a decreased
@@ -727,6 +869,9 @@ def _forward_wgmma_kernel(cfg: WGConfig):
                 q_start, h, b, n_tiles = item_tiles(item, n_qt, heads, seqlen_q, seqlen_k, causal, chunk == 2)
                 row0 = q_start + 16 * (tid // 32)
                 init_rows(m_i, l_i, acc)
+                # ws-overlap: the item's first key tile that needs a mask.  (Not computed in ws: though unused there,
+                # it kept one more value live and made the cp.async ws kernel at D = 96 spill, offline ptxas.)
+                masked_from = d_first_masked_tile(q_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal) if WSO else 0
                 if TMA and n_tiles > 0:
                     while not T.mbarrier_try_wait_parity(bars, QBAR, nq % 2):  # Q_i has landed
                         pass
@@ -743,48 +888,46 @@ def _forward_wgmma_kernel(cfg: WGConfig):
                     s_in_turn(S, q_desc, k_desc + u64((stage * KV_STRIDE * 2) >> 4), True, mine, True, other)
                     if TMA and j == n_tiles - 1:
                         HW.named_barrier_arrive(QEMPTY, HANDSHAKE)  # my last S of the item: Q_i may be refilled
+                    if SPLIT:
+                        HW.named_barrier_arrive(EMPTY + stage, HANDSHAKE)  # K_j is read: it may be refilled
                     if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
                         mask_scores(S, row0, k_start, seqlen_q, seqlen_k, causal, g, t)
                     online_softmax(S, acc, m_i, l_i, scale_log2)
-                    # O += P V_j in my next turn.
+                    # O += P V_j in my next turn (split: once V_j has landed).
+                    wait_v(bars, c + j)
                     pv_in_turn(acc, P, S, v_desc + u64((stage * KV_STRIDE * 2) >> 4), mine, True, other)
-                    HW.named_barrier_arrive(EMPTY + stage, HANDSHAKE)  # the producer may refill this stage
-
-                for j in range(n_tiles if WSO else 0):
-                    k_start = j * BLOCK_N
-                    stage = (c + j) % STAGES
-                    wait_full(bars, c + j)  # K_j, V_j (with cp.async and tile 0, Q_i) have landed
-
-                    # In my turn: S_j = Q_i K_jᵀ and O += P_{j-1} V_{j-1}, two groups; the other warpgroup's pair
-                    # follows.
-                    HW.named_barrier_sync(mine, PAIR)
-                    s = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
-                    o_t = HW.wgmma_fence_operand(HW.acc_from_array(acc, D_PAD))
-                    HW.wgmma_fence()  # the accumulators (rescaled in iteration j - 1) are written before wgmma reads
-                    s = qk_product(s, q_desc, k_desc + u64((stage * KV_STRIDE * 2) >> 4))
-                    HW.wgmma_commit_group()
-                    if j > 0:
-                        o_t = pv_product(o_t, P, v_desc + u64((((c + j - 1) % STAGES) * KV_STRIDE * 2) >> 4))
-                    HW.wgmma_commit_group()  # possibly empty: "all but the newest group" is then S_j every time
-                    HW.named_barrier_arrive(other, PAIR)
-
-                    # S_j is done (P_{j-1} V_{j-1} may still run): mask and softmax under the tensor cores' work.
-                    s_landed(s, S)
-                    if TMA and j == n_tiles - 1:
-                        HW.named_barrier_arrive(QEMPTY, HANDSHAKE)  # my last S of the item: Q_i may be refilled
-                    if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
-                        mask_scores(S, row0, k_start, seqlen_q, seqlen_k, causal, g, t)
-                    softmax_rows(S, m_i, l_i, scale_log2, alpha)  # S becomes P_j; O must be scaled by alpha
-                    pv_landed(o_t, acc, alpha, P, S)
-                    # Tile j - 1 is free now (its K read by S_{j-1}, its V by the product just waited for).
-                    if j > 0:
-                        HW.named_barrier_arrive(EMPTY + (c + j - 1) % STAGES, HANDSHAKE)
+                    # The producer may refill this stage (split: its V; else K and V).
+                    HW.named_barrier_arrive(VEMPTY + stage, HANDSHAKE)
 
                 if WSO and n_tiles > 0:
-                    # The item's last O += P V, in one more turn; P is packed again from S.  Then its tile is free.
+                    # The item's key tile 0: S_0 alone in my turn (no P V yet), waited for; then P_0.
+                    wait_full(bars, c)  # K_0 (with cp.async, Q_i too) has landed
+                    s_in_turn(S, q_desc, k_desc + u64(((c % STAGES) * KV_STRIDE * 2) >> 4), True, mine, True, other)
+                    if SPLIT:
+                        HW.named_barrier_arrive(EMPTY + c % STAGES, HANDSHAKE)  # K_0 is read: it may be refilled
+                    if TMA and n_tiles == 1:
+                        HW.named_barrier_arrive(QEMPTY, HANDSHAKE)  # my last S of the item: Q_i may be refilled
+                    if masked_from == 0:
+                        mask_scores(S, row0, 0, seqlen_q, seqlen_k, causal, g, t)
+                    softmax_rows(S, m_i, l_i, scale_log2, alpha)  # O is still zero: nothing to rescale
+                    for kk in range(PV_STEPS):
+                        p_frags(P, S, kk, kk)
+                # Key tiles 1 ...: S_j and P_{j-1} V_{j-1} overlapped, in two loops of straight-line steps: the tiles
+                # that need no mask, then those that do (the last ones, masking.first_masked_tile).
+                for j in range(1, max(1, min(masked_from, n_tiles)) if WSO else 1):
+                    overlapped_tile(S, P, acc, m_i, l_i, alpha, bars, q_desc, k_desc, v_desc, c, j, n_tiles, row0,
+                                    seqlen_q, seqlen_k, causal, g, t, scale_log2, mine, other)
+                for j in range(max(1, min(masked_from, n_tiles)), n_tiles if WSO else 1):
+                    overlapped_masked_tile(S, P, acc, m_i, l_i, alpha, bars, q_desc, k_desc, v_desc, c, j, n_tiles,
+                                           row0, seqlen_q, seqlen_k, causal, g, t, scale_log2, mine, other)
+
+                if WSO and n_tiles > 0:
+                    # The item's last O += P V, in one more turn; P is packed again from S.  Then its V (its tile) is
+                    # free.
+                    wait_v(bars, c + n_tiles - 1)
                     last = (c + n_tiles - 1) % STAGES
                     pv_in_turn(acc, P, S, v_desc + u64((last * KV_STRIDE * 2) >> 4), mine, True, other)
-                    HW.named_barrier_arrive(EMPTY + last, HANDSHAKE)
+                    HW.named_barrier_arrive(VEMPTY + last, HANDSHAKE)
 
                 # Step 3 of the item: O_i = acc / l_i, lse_i = m_i + log l_i.
                 write_rows(o, lse, acc, m_i, l_i, b, h, row0, seqlen_q, g, t)
@@ -856,7 +999,7 @@ def _forward_wgmma_kernel(cfg: WGConfig):
             softmax_rows(S, m_i, l_i, scale_log2, alpha)  # S becomes P_j; O must be scaled by alpha
 
             # Step 2d: O += P_{j-1} V_{j-1} is done: rescale O, then P_j replaces P_{j-1} in the A registers.
-            pv_landed(o_t, acc, alpha, P, S)
+            pv_landed(o_t, acc, alpha, l_i, P, S)
 
         if OVERLAP and n_tiles > 0:
             # Step 2e: the last O += P V, once V_{n-1} has landed.
@@ -943,6 +1086,14 @@ def choose_config(
     pipelines that copy with TMA get persistent blocks (:func:`config_for` turns them off for long non-causal
     calls, :data:`PERSISTENT_MAX_KEYS`).
 
+    Since the ws-overlap step was restructured (2026-12-05, module docstring),
+    the 128 × 128 ws-overlap kernel also leads at D <= 64 below
+    :data:`WSO_MIN_KEYS_D64` keys: on the H200 (session 28, ``docs/performance.md``;
+    bf16, N = 512 / 1k / 2k) 324 / 384 / 423 non-causal and 195 / 277 / 348
+    causal, against 284 / 322 / 344 and 188 / 250 / 297 for the 128 × 128 ws
+    kernel picked before (fp16 within 1 %).  The 128 × 192 tiles stay ahead
+    from 2k keys on.
+
     ``tc-forward-NVIDIA-H200-2026-12-03-persistent.json`` (bf16, N = 1k / 2k /
     4k / 16k, each pick beside itself with one block per work chunk): persistent
     blocks add 13 / 7 / 2 / −3 % at D = 128 non-causal and 9 / 5 / 3 / 3 %
@@ -1028,14 +1179,10 @@ def choose_config(
     if simulator:
         return WGConfig(64, 16, head_dim, input_kind)
     d_pad = -(-head_dim // PANEL) * PANEL
-    if 64 < d_pad <= 128 and copies == "tma":
-        return WGConfig(128, 128, head_dim, input_kind, "ws-overlap", stages=3, copies="tma", setmaxnreg=True,
+    if d_pad <= 128 and copies == "tma":
+        block_n = 192 if d_pad <= 64 and long_keys else 128
+        return WGConfig(128, block_n, head_dim, input_kind, "ws-overlap", stages=3, copies="tma", setmaxnreg=True,
                         persistent=persistent)
-    if d_pad <= 64 and copies == "tma" and long_keys:
-        return WGConfig(128, 192, head_dim, input_kind, "ws-overlap", stages=3, copies="tma", setmaxnreg=True,
-                        persistent=persistent)
-    if d_pad <= 64 and copies == "tma":
-        return WGConfig(128, 128, head_dim, input_kind, "ws", stages=2, copies="tma", persistent=persistent)
     if d_pad <= 64:
         return WGConfig(128, 64, head_dim, input_kind, "plain")
     if d_pad <= 128:
@@ -1151,11 +1298,13 @@ def tensor_maps(cfg: WGConfig, q, k, v):
 def compile_targets():
     """``(name, cfg, kernel, signature, fastmath)`` for the GPU configurations (the PTX check, sm_90a): bfloat16 at
     every head dim, float16 at D = 128 (the two differ only in the wgmma's input type and the packing of P; the
-    check takes about half a minute a kernel on CI's two cores, and the simulator runs both kinds everywhere)."""
+    check takes about half a minute a kernel on CI's two cores, and the simulator runs both kinds everywhere); and
+    the D = 128 pick with ``pin_softmax``, whose schedule the check also reads."""
     dims = (40, 64, 96, 128, 176, 256)
     cfgs = list(dict.fromkeys(choose_config(d, kind, simulator=False, copies=copies, long_keys=long_keys)
                               for long_keys in (False, True)
                               for d in dims for kind in ("float16", "bfloat16") if kind == "bfloat16" or d == 128
                               for copies in COPIES))
+    cfgs.append(dataclasses.replace(choose_config(128, "bfloat16", simulator=False), pin_softmax=True))
     return [("flash_forward_wgmma", cfg, forward_wgmma_kernel(cfg), kernel_signature(cfg), True) for cfg in cfgs]
 

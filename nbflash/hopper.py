@@ -275,8 +275,9 @@ __all__ = [
 
 #: Threads of a warpgroup (4 warps).
 WARPGROUP = 128
-#: The N of the ``m64nNk16`` shapes provided.
-WGMMA_N = (8, 16, 32, 64, 128, 192, 256)
+#: The N of the ``m64nNk16`` shapes provided: every multiple of 8 up to 256, as the PTX allows for 16-bit inputs
+#: (FlashAttention-3's 128 × 176 tiles at D = 128 need N = 176).
+WGMMA_N = tuple(range(8, 257, 8))
 
 #: Swizzle modes (descriptor bits 62-63).
 SWIZZLE_NONE, SWIZZLE_128B, SWIZZLE_64B, SWIZZLE_32B = 0, 1, 2, 3

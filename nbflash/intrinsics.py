@@ -63,6 +63,7 @@ __all__ = [
     "d_ldmatrix_x4_a_address",
     "d_ldmatrix_x4_bt_address",
     "ex2_approx",
+    "f32_after",
     "global_address",
     "ld_global_v4_b32",
     "ld_global_v4_f32",
@@ -670,6 +671,20 @@ def _sim_pinned_u32(x):
     return np.uint32(x)
 
 
+def _sim_f32_after(x, y):
+    """``x``, computed only once ``y`` is: a data dependence the instruction scheduler must keep.
+
+    PTX: ``fma.rn.f32 out, y, 0, x`` (one FFMA; ``y`` finite, so the result
+    is ``x``; ptxas cannot drop ``y · 0`` since it does not know ``y`` is
+    finite); any compute capability.  ptxas places a ``wgmma.wait_group``
+    right before the first instruction that reads the awaited accumulators:
+    in the wgmma forward, O's rescale by ``f32_after(alpha, l)`` reads them
+    only after the row sum l, so the wait for P V comes after the softmax it
+    is meant to overlap, not amid it.  Simulator: ``x``.
+    """
+    return np.float32(x)
+
+
 def _sim_ex2_approx(x):
     """2**x in float32 by the special-function unit, subnormals flushed to zero.
 
@@ -1143,6 +1158,21 @@ def _make_gpu_unary(name: str, ptx: str, value_type, value_ok, side_effect: bool
 
 
 _gpu_ex2_approx = _make_gpu_unary("ex2_approx", "ex2.approx.ftz.f32 $0, $1;", types.float32, _is_number)
+
+
+@intrinsic
+def _gpu_f32_after(typingctx, x, y):
+    if not _is_number(x, y):
+        return None
+    sig = types.float32(x, y)
+
+    def codegen(context, builder, sig, args):
+        vals = [context.cast(builder, a, t, types.float32) for a, t in zip(args, sig.args, strict=True)]
+        return _asm(builder, _F32, [_F32, _F32], "fma.rn.f32 $0, $2, 0f00000000, $1;", "=f,f,f", vals)
+
+    return sig, codegen
+
+
 _gpu_pinned_u32 = _make_gpu_unary("pinned_u32", "mov.b32 $0, $1;", types.uint32, _is_int, side_effect=True)
 
 
@@ -1291,6 +1321,7 @@ pack_bf16x2 = _public(_sim_pack_bf16x2, lambda: _make_gpu_pack("bf16"))
 unpack_f16x2 = _public(_sim_unpack_f16x2, lambda: _make_gpu_unpack("f16"))
 unpack_bf16x2 = _public(_sim_unpack_bf16x2, lambda: _make_gpu_unpack("bf16"))
 ex2_approx = _public(_sim_ex2_approx, lambda: _gpu_ex2_approx)
+f32_after = _public(_sim_f32_after, lambda: _gpu_f32_after)
 global_address = _public(_sim_global_address, lambda: _gpu_global_address)
 pinned_u32 = _public(_sim_pinned_u32, lambda: _gpu_pinned_u32)
 ld_global_v4_b32 = _public(_sim_ld_global_v4_b32, lambda: _make_gpu_ld_v4("b32"))

@@ -26,7 +26,10 @@ answers come from the functions below (compiled as device functions in
   pass, parallel over keys, loops over these)?
 * :func:`tile_needs_mask` / :func:`row_key_end` — does a tile straddle the
   diagonal or the ragged end of a sequence, and then which keys does each
-  row keep (always a prefix ``[0, row_key_end)``)?
+  row keep (always a prefix ``[0, row_key_end)``)?  :func:`first_masked_tile`
+  gives the same answer for a whole row of key tiles at once: the tiles that
+  need a mask are the last ones, so a kernel can run the others in a loop with
+  no mask code at all.
 
 Later features (sliding windows, variable lengths, GQA) change these
 functions, not the kernels.
@@ -83,11 +86,25 @@ def _tile_needs_mask(q_start, k_start, block_m, block_n, seqlen_q, seqlen_k, cau
     return _row_key_end(q_start, seqlen_q, seqlen_k, causal) < k_start + block_n
 
 
+def _first_masked_tile(q_start, block_m, block_n, seqlen_q, seqlen_k, causal):
+    """The first key tile (``k_start = tile · block_n``) of the query tile at ``q_start`` that needs a mask; every
+    later one needs one too, every earlier one does not (:func:`tile_needs_mask`).
+
+    With its first row's visible prefix ``[0, end)``, a tile needs a mask iff
+    ``tile · block_n + block_n > end``, i.e. ``tile >= end // block_n``; a
+    query tile with rows past ``seqlen_q`` masks every key tile.
+    """
+    if q_start + block_m > seqlen_q:
+        return 0
+    return _row_key_end(q_start, seqlen_q, seqlen_k, causal) // block_n
+
+
 # Host versions (plain Python) ...
 row_key_end = _row_key_end
 key_range = _key_range
 query_range = _query_range
 tile_needs_mask = _tile_needs_mask
+first_masked_tile = _first_masked_tile
 
 
 # ... and the same source compiled for kernels, each calling the device
@@ -103,3 +120,4 @@ _DEVICE_NAMES = {"_row_key_end": d_row_key_end}
 d_key_range = _for_device(_key_range, _DEVICE_NAMES)
 d_query_range = _for_device(_query_range, _DEVICE_NAMES)
 d_tile_needs_mask = _for_device(_tile_needs_mask, _DEVICE_NAMES)
+d_first_masked_tile = _for_device(_first_masked_tile, _DEVICE_NAMES)

@@ -9,8 +9,10 @@ in a fresh interpreter with ``NUMBA_ENABLE_CUDASIM=0`` and the repository on
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -30,3 +32,16 @@ def offline_json_rows(script: str, *args: str, timeout: int = 900) -> list[dict]
                           timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def find_nvdisasm():
+    """nvdisasm from $NVDISASM, the PATH, or the ``nvidia-cuda-nvdisasm`` wheel; None if absent."""
+    if os.environ.get("NVDISASM"):
+        return os.environ["NVDISASM"]
+    if shutil.which("nvdisasm"):
+        return shutil.which("nvdisasm")
+    for base in sys.path:
+        for path in glob.glob(os.path.join(base, "nvidia", "cu*", "bin", "nvdisasm")):
+            if os.access(path, os.X_OK):
+                return path
+    return None

@@ -271,6 +271,9 @@ def test_masking_host_functions():
                         sub = full[q0:q0 + bm, k0:k0 + bn]
                         tile[: sub.shape[0], : sub.shape[1]] = sub
                         assert masking.tile_needs_mask(q0, k0, bm, bn, n_q, n_k, causal) == (not tile.all())
+                        # the masked key tiles are the last ones, from first_masked_tile on
+                        first = masking.first_masked_tile(q0, bm, bn, n_q, n_k, causal)
+                        assert (k0 // bn >= first) == (not tile.all())
                 for k0 in range(0, n_k, 4):
                     begin, _ = masking.query_range(k0, 4, n_q, n_k, causal)
                     rows = full[:, k0:k0 + 4].any(1).nonzero()[0]

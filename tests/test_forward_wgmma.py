@@ -19,12 +19,13 @@ import functools
 
 import numpy as np
 import pytest
-from offline import offline_json_rows
+from offline import find_nvdisasm, offline_json_rows
 from test_forward_tc import run_and_check, to_kind
 
 import nbflash
 from nbflash import forward_wgmma as W
 from nbflash import intrinsics as I
+from nbflash import tma as TMA
 from nbflash._device import SIMULATOR, compute_capability
 
 hopper = pytest.mark.skipif(not SIMULATOR and (compute_capability() or (0, 0))[0] != 9,
@@ -39,9 +40,11 @@ KIND_PIPELINES = [("float16", "overlap"), ("bfloat16", "overlap"), ("bfloat16", 
 
 @pytest.fixture(autouse=True)
 def copies_land_at_their_wait(monkeypatch):
-    """In the simulator each cp.async copy lands only at the wait that covers it (NaN until then): a tile read
-    before its wait and barrier, or refilled while still read, fails these tests."""
+    """In the simulator each cp.async copy lands only at the wait that covers it (NaN until then), and each TMA
+    box only when a thread first sees its mbarrier's phase complete: a tile read before its wait and barrier, or
+    refilled while still read, fails these tests."""
     monkeypatch.setattr(I, "SIM_CP_ASYNC_LANDS_AT_WAIT", True)
+    monkeypatch.setattr(TMA, "SIM_TMA_LANDS_AT_WAIT", True)
 
 
 @hopper
@@ -106,6 +109,35 @@ def test_forward_wgmma_persistent(xp, rng, pipeline, stages, kind, causal, n_q, 
                   launch=launch)
 
 
+@hopper
+@pytest.mark.parametrize("pipeline,stages,kind,causal,n_q,n_k,batch,heads,persistent", [
+    ("ws-overlap", 2, "bfloat16", True, 130, 75, 1, 1, False),  # 2 stages: K_j refilled while V_j is still read
+    ("ws", 2, "float16", False, 70, 83, 1, 1, False),
+    ("ws-overlap", 4, "float16", False, 40, 110, 1, 1, False),  # named barriers up to 15 (VEMPTY + 3)
+    ("ws-overlap", 2, "bfloat16", True, 130, 75, 2, 2, True),  # stages and turns across items, in pairs
+])
+def test_forward_wgmma_split_kv(xp, rng, pipeline, stages, kind, causal, n_q, n_k, batch, heads, persistent):
+    """``split_kv``: K_j and V_j land on their own mbarriers and are released on their own named barriers (K once
+    S_j has landed, V once P_j V_j has), so the producer refills K_{j+2} while V_j is still read.  A consumer that
+    skips the wait for V reads the previous tile's V here (the boxes land when a thread first sees their phase):
+    that mutation failed these cases by an error of 5.1 against a bound of 0.007."""
+    cfg = W.WGConfig(128, 16, 64, kind, pipeline, stages=stages, copies="tma", setmaxnreg=True,
+                     persistent=persistent, split_kv=True)
+    run_and_check(xp, rng, n_q, n_k, 64, kind, causal, cfg=cfg, layout="bshd", batch=batch, heads=heads,
+                  launch=launch)
+
+
+@hopper
+@pytest.mark.parametrize("copies,kind,causal,n_q,n_k", [("tma", "bfloat16", True, 130, 75),
+                                                        ("cp.async", "float16", False, 70, 83)])
+def test_forward_wgmma_softmax_pinned(xp, rng, copies, kind, causal, n_q, n_k):
+    """ws-overlap with ``pin_softmax=True``: the same steps, with the rescale and P_j's packing taken through
+    ``f32_after`` the row sums (``pv_landed``); a different kernel on the GPU, the same results."""
+    cfg = W.WGConfig(128, 16, 64, kind, "ws-overlap", stages=3, copies=copies, setmaxnreg=copies == "tma",
+                     pin_softmax=True)
+    run_and_check(xp, rng, n_q, n_k, 64, kind, causal, cfg=cfg, layout="bshd", heads=1, launch=launch)
+
+
 @pytest.mark.skipif(SIMULATOR or (compute_capability() or (0, 0))[0] != 9, reason="real tiles on a Hopper GPU")
 @pytest.mark.parametrize("n_q,n_k,d,causal,batch,heads,kind", [
     (1025, 1025, 64, True, 2, 16, "bfloat16"),  # 288 items, 144 causal pairs: more chunks than multiprocessors
@@ -154,18 +186,18 @@ def test_forward_wgmma_rescales_when_the_max_grows(xp, rng, cfg):
 
 
 def test_tma_configuration_rules():
-    """Only the ws pipelines (whose producer issues the copies) take ``copies="tma"``; on the GPU the ws
-    pipeline copies with TMA up to D = 128, and ``copies="cp.async"`` names the best configuration without it."""
+    """Only the ws pipelines (whose producer issues the copies) take ``copies="tma"``; on the GPU the ws-overlap
+    pipeline copies with TMA up to D = 128 (128 × 192 tiles at D <= 64 for long sequences, 128 × 128 otherwise),
+    and ``copies="cp.async"`` names the best configuration without it."""
     with pytest.raises(ValueError, match="producer"):
         W.WGConfig(128, 16, 64, "float16", "plain", copies="tma")
     with pytest.raises(ValueError, match="copies"):
         W.WGConfig(128, 16, 64, "float16", "ws", copies="bulk")
     for d in (40, 64):
-        cfg = W.choose_config(d, "bfloat16", simulator=False)
-        assert (cfg.pipeline, cfg.copies, cfg.block_m, cfg.block_n, cfg.stages) == ("ws", "tma", 128, 128, 2)
-        cfg = W.choose_config(d, "bfloat16", simulator=False, long_keys=True)
-        want = ("ws-overlap", "tma", 192, 3, True)
-        assert (cfg.pipeline, cfg.copies, cfg.block_n, cfg.stages, cfg.setmaxnreg) == want
+        for long_keys, block_n in ((False, 128), (True, 192)):
+            cfg = W.choose_config(d, "bfloat16", simulator=False, long_keys=long_keys)
+            want = ("ws-overlap", "tma", 128, block_n, 3, True)
+            assert (cfg.pipeline, cfg.copies, cfg.block_m, cfg.block_n, cfg.stages, cfg.setmaxnreg) == want
     for d in (72, 96, 128):
         for long_keys in (False, True):
             cfg = W.choose_config(d, "bfloat16", simulator=False, long_keys=long_keys)
@@ -261,6 +293,17 @@ def test_config_validation_and_shared_memory():
         W.WGConfig(128, 16, 64, "float16", "ws", copies="cp.async", persistent=True)  # only the TMA producer loops
     with pytest.raises(ValueError, match="persistent"):
         W.WGConfig(128, 16, 64, "float16", "overlap", persistent=True)
+    with pytest.raises(ValueError, match="stages"):
+        W.WGConfig(128, 16, 64, "float16", "ws-overlap", stages=2, copies="tma")  # 2 stages only with split_kv
+    with pytest.raises(ValueError, match="split_kv"):
+        W.WGConfig(128, 16, 64, "float16", "ws", stages=2, split_kv=True)  # K and V on mbarriers: TMA only
+    with pytest.raises(ValueError, match="split_kv"):
+        W.WGConfig(128, 16, 64, "float16", "overlap", split_kv=True)
+    with pytest.raises(ValueError, match="pin_softmax"):
+        W.WGConfig(128, 16, 64, "float16", "ws", pin_softmax=True)  # no overlapped P V whose wait could move
+    # FlashAttention-3's 128 × 176 tiles at D = 128 on 2 split stages: Q (32 KB) and two 44 KB K and V tiles each.
+    wide = W.WGConfig(128, 176, 128, "bfloat16", "ws-overlap", stages=2, copies="tma", split_kv=True)
+    assert W.shared_bytes(wide) == 32 * 1024 + 4 * 176 * 256 == 212992
     ws = W.WGConfig(128, 128, 128, "bfloat16", "ws", stages=3)
     assert ws.threads == 3 * 128  # two consumer warpgroups and the producer warpgroup
     assert W.shared_bytes(ws) == (1 + 2 * 3) * 32 * 1024  # Q and three K, V stages: 224 KB, under Hopper's 227
@@ -269,9 +312,31 @@ def test_config_validation_and_shared_memory():
 
 
 _PTX_SCRIPT = r"""
-import importlib, json, re, sys
+import importlib, json, re, subprocess, sys, tempfile
 from nbflash._device import SIMULATOR, compile_ltoir_offline, compile_ptx_offline, ptxas_info
 assert not SIMULATOR
+nvdisasm = sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] else None
+
+
+def overlap(cubin):
+    # The most MUFU.EX2 between a wait for all but one wgmma group and the next wait for all (the softmax of S_j
+    # under P_{j-1} V_{j-1}), and whether ptxas closed an empty group with a dummy HGMMA.
+    if not (nvdisasm and cubin):
+        return None, None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([nvdisasm, f.name], capture_output=True, text=True, check=True).stdout
+    best, count = 0, None
+    for line in sass.splitlines():
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            count = 0
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line and count is not None:
+            best, count = max(best, count), None
+        elif "MUFU.EX2" in line and count is not None:
+            count += 1
+    return best, bool(re.search(r"HGMMA\.64x8x16\.\w+ RZ, gdesc\[URZ\]", sass))
+
 for name, cfg, kern, sig, fastmath in importlib.import_module(sys.argv[1]).compile_targets():
     bounds = kern.targetoptions.get("launch_bounds")  # as the kernel is compiled for the GPU (ws: 168 registers)
     options = dict(cc=(9, 0, "a"), fastmath=fastmath, **({"launch_bounds": bounds} if bounds else {}))
@@ -279,7 +344,9 @@ for name, cfg, kern, sig, fastmath in importlib.import_module(sys.argv[1]).compi
     # setmaxnreg is honoured only in a whole-program link, as numba-cuda links on a GPU (link-time optimisation).
     lto = getattr(cfg, "setmaxnreg", False)
     info = ptxas_info(compile_ltoir_offline(kern.py_func, sig, **options) if lto else ptx, "sm_90a", check=False)
+    overlapped_ex2, dummy_hgmma = overlap(info.get("cubin"))
     print(json.dumps(dict(name=name, config=repr(cfg), ok=info["ok"], log=info["log"][-1500:], lto=lto,
+                          overlapped_ex2=overlapped_ex2, dummy_hgmma=dummy_hgmma,
                           notes=sorted(set(re.findall(r"\((C75\d\d)\)", info["log"]))),
                           setmaxnreg=sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32 (\d+)", ptx))),
                           registers=info["registers"], spill=info["spill_bytes"],
@@ -295,7 +362,7 @@ for name, cfg, kern, sig, fastmath in importlib.import_module(sys.argv[1]).compi
 def offline_rows(module: str = "nbflash.forward_wgmma"):
     """Every GPU configuration of ``module`` (its ``compile_targets()``) compiled for sm_90a and assembled by
     ptxas, in a subprocess with the simulator off: one dict per kernel."""
-    return offline_json_rows(_PTX_SCRIPT, module, timeout=1800)
+    return offline_json_rows(_PTX_SCRIPT, module, find_nvdisasm() or "", timeout=1800)
 
 
 def test_gpu_configurations_compile_for_sm90a_without_local_memory():
@@ -309,3 +376,10 @@ def test_gpu_configurations_compile_for_sm90a_without_local_memory():
             assert row["lto"] and row["setmaxnreg"] == [["dec", "24"], ["inc", "240"]] and not row["notes"], row
         assert set(row["shapes"]) == {f"m64n{cfg.block_n}k16", f"m64n{cfg.d_pad}k16"}, row
         assert row["a_in_shared"] and row["a_in_registers"], row  # S = Q Kᵀ from shared; O += P V with P in registers
+        if cfg.pipeline == "ws-overlap" and row["overlapped_ex2"] is not None:
+            # The softmax really runs under P V (the module docstring): every exponential of a tile (BLOCK_N / 2 a
+            # thread, plus the rescale factors) between the wait for S_j and the wait for P_{j-1} V_{j-1}, and no
+            # empty wgmma group.  Before 2026-12-05 the count was 0 and a dummy HGMMA closed the empty group.
+            assert not row["dummy_hgmma"], row
+            if cfg.pin_softmax:
+                assert row["overlapped_ex2"] >= cfg.block_n // 2, row

@@ -12,15 +12,11 @@ compiled for sm_80/sm_90 (NVVM), assembled by ptxas (nvJitLink) and, where
 from __future__ import annotations
 
 import functools
-import glob
-import os
-import shutil
 import struct
-import sys
 
 import numpy as np
 import pytest
-from offline import TESTS, offline_json_rows
+from offline import TESTS, find_nvdisasm, offline_json_rows
 
 from nbflash import intrinsics as I
 from nbflash._device import SIMULATOR, cuda, device_function, kernel, numba
@@ -859,19 +855,6 @@ for name, kern, sig, instructions in t.compile_targets():
             row["sass"] = sorted(set(re.findall(r"\b([A-Z][A-Z0-9]+(?:\.[A-Za-z0-9_]+)*)\b", sass)))
         print(json.dumps(row), flush=True)
 """
-
-
-def find_nvdisasm():
-    """nvdisasm from $NVDISASM, the PATH, or the ``nvidia-cuda-nvdisasm`` wheel; None if absent."""
-    if os.environ.get("NVDISASM"):
-        return os.environ["NVDISASM"]
-    if shutil.which("nvdisasm"):
-        return shutil.which("nvdisasm")
-    for base in sys.path:
-        for path in glob.glob(os.path.join(base, "nvidia", "cu*", "bin", "nvdisasm")):
-            if os.access(path, os.X_OK):
-                return path
-    return None
 
 
 @functools.cache
