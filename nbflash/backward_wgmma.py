@@ -115,7 +115,16 @@ With ``P_ij = exp(S_ij·scale − lse_i)`` recomputed tile by tile::
       queries), fences it to the async proxy, and dQ's product reads dS =
       (dSᵀ)ᵀ from shared memory through ``imm-trans-a``: no ``ldmatrix``, no
       A registers, and at D = 128 the overlap no longer serialises — but it
-      measured 2–11 % slower on the H100 (2026-12-05).
+      measured 2–11 % slower on the H100 (2026-12-05).  ``dk_last`` (off; D =
+      128) takes FlashAttention-3's order instead of waiting for dV and dK
+      before step 1e: dV is waited for after the ``DS_READY`` barrier, dQ's
+      product is issued before dK's, and only dQ's is waited for (``wait_group
+      1``) — dK's runs on under the staging of dQ_i and into the next tile,
+      where the wait for Sᵀ covers it too (groups complete in order); the
+      stage it read goes back then (the last one after the loop)::
+
+          default:   … dK ─ wait(dV, dK) ─ DS_READY ─ dQ ─ wait(dQ) ─ stage dQ ─ next: Sᵀ, dPᵀ ─ wait(Sᵀ) …
+          dk_last:   … DS_READY ─ wait(dV) ─ dQ, dK ─ wait(dQ) ─ stage dQ ─ next: Sᵀ, dPᵀ ─ wait(dK, Sᵀ) …
 
 2. **dQ** (grid: query tiles of ``BLOCK_M`` rows).  Q_i and dO_i are copied
    once; K_j, V_j stream past, two buffers each.  Per key tile: ``S = Q_i
@@ -260,6 +269,11 @@ class WGBackwardConfig(HeadDimSlices):
     #: (``dq_overlap``) without serialising; but measured 2–11 % slower than the ldmatrix route (H100,
     #: ``tc-backward-NVIDIA-H100-80GB-HBM3-2026-12-05-dsmn.json`` against ``…-base.json``), so it is off
     ds_mn_major: bool = False
+    #: the atomic route in the ws kernel at two warpgroups with a dQ share each (D = 128) and one 64-query
+    #: chunk: FlashAttention-3's order of the tile's last products — dQ's issued before dK's, dQ waited for
+    #: while dK's still runs, and dK's left running into the next tile (waited for with its Sᵀ; the stage goes
+    #: back then).  dV is waited for before the dQ product (its A registers then free for dS's)
+    dk_last: bool = False
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -283,6 +297,11 @@ class WGBackwardConfig(HeadDimSlices):
         if self.dq_overlap and not self.dkdv_ws:
             raise ValueError("dq_overlap orders the ws kernel's products: it needs dkdv_ws")
         groups = self.block_m // 64
+        if self.dk_last and not (self.dkdv_ws and takes_atomic(self) and not self.dq_overlap and self.block_n == 64
+                                 and groups * self.dq_cols == self.slice_cols):
+            raise ValueError("dk_last orders the ws kernel's atomic-route products: it needs dkdv_ws, not "
+                             "dq_overlap, block_n = 64 (one 64-query chunk) and a dQ share for every warpgroup "
+                             "(two warpgroups at a padded D of 128)")
         if self.dq_chunk_split and not (groups > 1 and self.dq_cols == self.slice_cols
                                         and (self.block_n // 64) % groups == 0 and takes_atomic(self)):
             raise ValueError("dq_chunk_split needs two warpgroups, one panel of dQ columns (D <= 64) and "
@@ -481,7 +500,10 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
     DS_READY = EMPTY + STAGES  # ws, step 1e: "every consumer has stored its rows of this tile's dSᵀ"
     # ws, step 1e: dV and dK waited for before it, so that dSᵀ's A registers are free for its dS fragments and
     # accumulators (with them live, 240 registers were too few at D = 128: ptxas serialised the wgmmas, C7512).
-    EARLY_WAIT = ATOMIC_DQ and WS and not cfg.dq_overlap
+    EARLY_WAIT = ATOMIC_DQ and WS and not cfg.dq_overlap and not cfg.dk_last
+    # ws, step 1e (dk_last): dQ's product before dK's; dK's waited for with the next tile's Sᵀ, and the stage it
+    # read (Q_i) handed back only then.  dk_t crosses tiles in registers.
+    DK_LAST = ATOMIC_DQ and cfg.dk_last
     # Each tile's gradient products waited for before its buffers are handed back: with two cp.async buffers, and
     # always with ws (the other consumer warpgroup's products fill the tensor cores meanwhile).  Otherwise (three
     # buffers) they run on across the next tile's barrier, the accumulators crossing tiles in registers.
@@ -523,6 +545,31 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
                 smem_f[base + idx] = lse2[b, h, row] if row < seqlen_q else INF
             else:
                 smem_f[base + idx] = delta[b, h, row] if row < seqlen_q else ZERO
+
+    def make_transposed_p(MASKED):
+        """Step 1b on a thread's Sᵀ fragments; ``MASKED``: the tile pair needs the mask (a compile-time choice,
+        so the unmasked step has no compare)."""
+
+        @device_function
+        def transposed_p(S, smem_f, lse_at, q_col, key, seqlen_q, seqlen_k, causal, scale_log2):
+            """``Pᵀ = exp2(Sᵀ · scale · log2 e − lse2_col)`` in place; value i of tile n is key ``key + 8(i >> 1)``
+            and query ``q_col + 8n + (i & 1)``, whose lse2 is ``smem_f[lse_at + 8n + (i & 1)]`` (``lse_at``
+            unsigned: Numba adds a wraparound test to every signed index).  Masked: pairs past a ragged end or
+            above the diagonal get 0."""
+            for n in range(N_TILES):
+                for cc in range(2):
+                    lse2_c = smem_f[lse_at + u32(8 * n + cc)]
+                    if MASKED:
+                        key_end = d_row_key_end(q_col + 8 * n + cc, seqlen_q, seqlen_k, causal)
+                    for r in range(2):
+                        p = I.ex2_approx(S[n, 2 * r + cc] * scale_log2 - lse2_c)
+                        if MASKED and key + 8 * r >= key_end:
+                            p = ZERO
+                        S[n, 2 * r + cc] = p
+
+        return transposed_p
+
+    transposed_p, transposed_p_masked = make_transposed_p(False), make_transposed_p(True)
 
     # ws: 384 threads, so ptxas must keep to 65536 / 384 = 168 registers per thread until the roles split
     @kernel(fastmath=True, launch_bounds=(BLOCK_THREADS, 1) if WS else None)
@@ -673,21 +720,18 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
             HW.wgmma_wait_group(1)
             st = HW.wgmma_fence_operand(st)
             HW.acc_to_array(st, S)
+            if DK_LAST and it > 0:
+                # dK_j += dSᵀ_{i-1} Q_{i-1}, issued last in tile i - 1, is done too: its stage goes back.
+                HW.named_barrier_arrive(EMPTY + (it - 1) % STAGES, HANDSHAKE)
 
             # Step 1b: Pᵀ = exp2(Sᵀ · scale · log2 e − lse2_col), invisible pairs 0.
             # Value i of tile n: key g + 8(i >> 1), query 8n + 2t + (i & 1).
-            cols = COLS_F + lbuf * COL_BUF
-            masked = d_tile_needs_mask(q_start, k_start, BLOCK_N, BLOCK_M, seqlen_q, seqlen_k, causal)
-            for n in range(N_TILES):
-                for cc in range(2):
-                    lse2_c = smem_f[cols + 8 * n + 2 * t + cc]
-                    key_end = d_row_key_end(q_start + 8 * n + 2 * t + cc, seqlen_q, seqlen_k, causal) \
-                        if masked else seqlen_k
-                    for r in range(2):
-                        p = I.ex2_approx(S[n, 2 * r + cc] * scale_log2 - lse2_c)
-                        if masked and key0 + g + 8 * r >= key_end:  # past a ragged end, or above the diagonal
-                            p = ZERO
-                        S[n, 2 * r + cc] = p
+            cols = u32(COLS_F + lbuf * COL_BUF + 2 * t)  # this thread's first column of lse2 (D: BLOCK_N on)
+            if d_tile_needs_mask(q_start, k_start, BLOCK_N, BLOCK_M, seqlen_q, seqlen_k, causal):
+                transposed_p_masked(S, smem_f, cols, q_start + 2 * t, key0 + g, seqlen_q, seqlen_k, causal,
+                                    scale_log2)
+            else:
+                transposed_p(S, smem_f, cols, q_start + 2 * t, key0 + g, seqlen_q, seqlen_k, causal, scale_log2)
 
             # Step 1c: dV_j += Pᵀ dO_i issued (Pᵀ packed from the accumulators, dO_i read N-major) ...
             for kk in range(N_STEPS):
@@ -704,19 +748,21 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
             ds_buf = (it % 2) * DS_TILE if WS else 0  # step 1e's dSᵀ buffer (16-bit elements past DS_OFF)
             for n in range(N_TILES):
                 for cc in range(2):
-                    delta_c = smem_f[cols + BLOCK_N + 8 * n + 2 * t + cc]
+                    delta_c = smem_f[cols + u32(BLOCK_N + 8 * n + cc)]
                     for r in range(2):
                         dP[n, 2 * r + cc] = S[n, 2 * r + cc] * (dP[n, 2 * r + cc] - delta_c)
+            # step 1e's dSᵀ: this thread's first 32-bit word of the shared [key][query] tile (unsigned, as above)
+            ds_word = u32((DS_OFF + ds_buf + (16 * (tid // 32) + g) * DS_PITCH + 2 * t) // 2)
             for kk in range(N_STEPS):
                 p_frags(SA, dP, kk, kk)
                 if ATOMIC_DQ and not DS_MN:  # step 1e's dSᵀ: the packed pairs to the shared [key][query]
                     # tile (before the dK product is issued: a wgmma's A registers may not even be read while
                     # it runs)
-                    word = (DS_OFF + ds_buf + (16 * (tid // 32) + g) * DS_PITCH + 16 * kk + 2 * t) // 2
+                    word = ds_word + u32(8 * kk)
                     smem32[word] = SA[kk, 0]
-                    smem32[word + 4 * DS_PITCH] = SA[kk, 1]  # 8 keys down: 8 · DS_PITCH / 2 words
-                    smem32[word + 4] = SA[kk, 2]  # 8 queries right
-                    smem32[word + 4 * DS_PITCH + 4] = SA[kk, 3]
+                    smem32[word + u32(4 * DS_PITCH)] = SA[kk, 1]  # 8 keys down: 8 · DS_PITCH / 2 words
+                    smem32[word + u32(4)] = SA[kk, 2]  # 8 queries right
+                    smem32[word + u32(4 * DS_PITCH + 4)] = SA[kk, 3]
                 if ATOMIC_DQ and DS_MN:  # the same in the MN-major layout: pair (key, queries q, q + 1) is 4
                     # bytes of key's swizzled row; keys g and g + 8 are one 8-row atom (1024 bytes) apart,
                     # queries q and q + 8 one 16-byte chunk (before the swizzle).  Each store's 32 lanes hit 32
@@ -727,10 +773,11 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
                                    + 16 * ((((q8 % PANEL) // 8) ^ g) & 7) + 4 * t + ds_row) // 4
                         smem32[word] = SA[kk, 2 * half]
                         smem32[word + 256] = SA[kk, 2 * half + 1]  # key g + 8: 1024 bytes on
-            dk_t = HW.wgmma_fence_operand(HW.acc_from_array(dK, SLICE) if EACH_TILE else dk_t)
-            HW.wgmma_fence()
-            dk_t = rs_prod(dk_t, SA, q_desc_n + buf_off)
-            HW.wgmma_commit_group()
+            if not DK_LAST:
+                dk_t = HW.wgmma_fence_operand(HW.acc_from_array(dK, SLICE) if EACH_TILE else dk_t)
+                HW.wgmma_fence()
+                dk_t = rs_prod(dk_t, SA, q_desc_n + buf_off)
+                HW.wgmma_commit_group()
             if EARLY_WAIT:  # dV, dK done before step 1e: dSᵀ's A registers are free for its own
                 HW.wgmma_wait_group(0)
                 HW.acc_to_array(HW.wgmma_fence_operand(dv_t), dV)
@@ -750,6 +797,9 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
                     HW.named_barrier_sync(DS_READY, CONSUMERS)
                 else:
                     cuda.syncthreads()
+                if DK_LAST:  # dV is done (its A registers free for dS's); dK is not issued yet
+                    HW.wgmma_wait_group(0)
+                    HW.acc_to_array(HW.wgmma_fence_operand(dv_t), dV)
                 if dq_share:
                     for c in range(MY_CHUNKS):
                         mc = chunk0 + c
@@ -767,7 +817,13 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
                         else:
                             dq_t = dq_prod(dq_t, DA, k_desc_n)
                         HW.wgmma_commit_group()
-                        HW.wgmma_wait_group(0)  # (dV, dK too: groups complete in order)
+                        if DK_LAST:
+                            # dK_j += dSᵀ Q_i last, left running under the staging of dQ_i and into the next tile.
+                            dk_t = rs_prod(HW.wgmma_fence_operand(dk_t), SA, q_desc_n + buf_off)
+                            HW.wgmma_commit_group()
+                            HW.wgmma_wait_group(1)  # dQ's product is done
+                        else:
+                            HW.wgmma_wait_group(0)  # (dV, dK too: groups complete in order)
                         HW.acc_to_array(HW.wgmma_fence_operand(dq_t), dQ)
                         if BULK_DQ:  # the warp's part of the tile: its 16 queries of the chunk × the share's columns
                             add_dq_bulk(dQ, smem_f, dq_base + q_start * dq_row_bytes,
@@ -780,11 +836,13 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
                                 for n in range(DQ_TILES):
                                     I.red_add_f32x2(addr + 32 * n, dQ[n, 2 * r], dQ[n, 2 * r + 1])
                 # (the next tile's barrier comes after every warpgroup's dQ product of this dSᵀ; ws: see above)
-            if EACH_TILE and not EARLY_WAIT:  # both products read Q_i, dO_i, refilled after the next barrier
+            if EACH_TILE and not EARLY_WAIT and not DK_LAST:  # both products read Q_i, dO_i, refilled after the
+                # next barrier
                 HW.wgmma_wait_group(0)
                 HW.acc_to_array(HW.wgmma_fence_operand(dv_t), dV)
                 HW.acc_to_array(HW.wgmma_fence_operand(dk_t), dK)
-            if WS and not EARLY_WAIT:  # every read of stage buf is done (the products above, the lse2 / D loads)
+            if WS and not EARLY_WAIT and not DK_LAST:  # every read of stage buf is done (the products above, the
+                # lse2 / D loads)
                 HW.named_barrier_arrive(EMPTY + buf, HANDSHAKE)
             # (3 stages: they run on under the next tile's barrier and Sᵀ, dPᵀ)
             dv_t = HW.wgmma_fence_operand(dv_t)
@@ -795,6 +853,11 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
             HW.wgmma_wait_group(0)
             HW.acc_to_array(HW.wgmma_fence_operand(dv_t), dV)
             HW.acc_to_array(HW.wgmma_fence_operand(dk_t), dK)
+        if DK_LAST:  # ... nor the last tile's dK product; then its stage goes back
+            HW.wgmma_wait_group(0)
+            HW.acc_to_array(HW.wgmma_fence_operand(dk_t), dK)
+            if n_tiles > 0:
+                HW.named_barrier_arrive(EMPTY + (n_tiles - 1) % STAGES, HANDSHAKE)
         if BULK_DQ and lane == 0:
             # ... nor a read of the staging: the block's shared memory may go.  The additions need not have
             # landed: the grid's end makes them visible to step 2'.

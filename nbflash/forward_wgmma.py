@@ -80,7 +80,13 @@ warpgroup overlaps its own work: S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} are
 issued together, the softmax of S_j runs while the second product is still on
 the tensor cores, and O is rescaled after it (``softmax_rows`` then
 ``rescale_rows``).  P_{j-1}'s registers are read by the in-flight wgmma, so
-P_j is packed only after its wait.
+P_j is packed only after its wait.  Tile 0 (no P V yet) is its own step, and
+the tiles after it run in two branch-free loops, unmasked then masked
+(:func:`~nbflash.masking.first_masked_tile`), as in ws-overlap below: a
+conditional P V made ptxas close an empty group with a dummy ``HGMMA`` and
+wait for both products at once.  At D = 256 the S product's 16 k-steps stay a
+loop in NVVM's output, whose back edge still brings a dummy group (unrolled in
+Python, ptxas spilled 184 bytes; offline sm_90a, 2026-12-06).
 
 ``"ws"`` (warp specialisation: two computing warpgroups and a *producer*
 warpgroup, ``stages`` K/V buffers, no block-wide barrier in the loop): the
@@ -150,15 +156,16 @@ and the softmax ran after P V had landed.  Now (SASS checked offline):
   has no branch from the first commit to the last wait;
 * the rescale factor's exponential is taken unconditionally.
 
-These three pay: 6–18 % at D = 128 and up to 8 % at D = 64 on the H100,
-against the kernel before them on the same machine (``docs/performance.md``,
-sessions 27–29).  ptxas still pulls the wait for P_{j-1} V_{j-1} up into the
-softmax of S_j.  ``pin_softmax=True`` keeps it out: O's rescale and the
+These three pay on the H100, against the kernel before them in the same
+call (``tc-forward-NVIDIA-H100-80GB-HBM3-2026-12-06-overlap.json`` and
+``…-base.json``, bf16): +0 % to +18 % at D = 128 (N = 512 … 16k, growing
+with N) and +2 % to +7 % at D = 64 (128 × 192 tiles, N ≥ 2k).  ptxas still
+pulls the wait for P_{j-1} V_{j-1} up into the softmax of S_j.  ``pin_softmax=True`` keeps it out: O's rescale and the
 packing of P_j take their inputs through :func:`~nbflash.intrinsics.f32_after`
 the row sums, the softmax's last results, and a ``syncwarp`` (a NOP in SASS)
 before the wait holds the wait there, so every exponential of the tile is
-issued between the two waits.  It measured slower (3–8 % at D = 128, 11–17 %
-at D = 64 on the H100), so
+issued between the two waits.  It measured slower (0–10 % at D = 128, 2–11 %
+at D = 64, 128 × 128 tiles, in the same run), so
 it is off: the ptxas schedule, which starts P_j V_j earlier, wins.  The
 masked steps (a row's last tiles) wait first either way.
 
@@ -695,6 +702,51 @@ def _forward_wgmma_kernel(cfg: WGConfig):
 
     overlapped_tile, overlapped_masked_tile = make_overlapped_tile(False), make_overlapped_tile(True)
 
+    @device_function
+    def overlap_refill(smem, k, v, b, h, j, n_tiles, seqlen_k, tid):
+        """overlap, step 2a of key tile j: K_j and V_{j-1} have landed (the only group in flight); then K_{j+1}
+        and V_j start, one group."""
+        I.cp_async_wait(0)
+        HW.fence_proxy_async()  # my cp.async writes → visible to the tensor cores (the async proxy)
+        # Everyone's copies are visible; and every warpgroup has finished step j - 1, whose wgmmas read K_{j-1} and
+        # V_{j-2}: the very buffers refilled now.
+        cuda.syncthreads()
+        if j + 1 < n_tiles:
+            load_kv(smem, K_OFF + ((j + 1) % 2) * KV_STRIDE, k, b, h, (j + 1) * BLOCK_N, seqlen_k, tid)
+        load_kv(smem, V_OFF + (j % 2) * KV_STRIDE, v, b, h, j * BLOCK_N, seqlen_k, tid)
+        I.cp_async_commit()
+
+    def make_overlap_tile(MASKED):
+        """overlap's step for key tile j >= 1; ``MASKED``: the tile needs a mask (a compile-time choice)."""
+
+        @device_function
+        def overlap_tile(S, P, acc, m_i, l_i, alpha, smem, k, v, q_desc, k_desc, v_desc, b, h, j, n_tiles, row0,
+                         seqlen_q, seqlen_k, causal, g, t, scale_log2, tid):
+            """Key tile j >= 1: step 2a, then S_j and O += P_{j-1} V_{j-1} issued as two groups, the softmax of
+            S_j under the second, O rescaled and P_j packed after its wait.  From the first commit to the last
+            wait the code is one basic block (as in ws-overlap's step: ptxas waits for every wgmma in flight at
+            the first block boundary)."""
+            overlap_refill(smem, k, v, b, h, j, n_tiles, seqlen_k, tid)
+            # Step 2b: issue S_j = Q_i K_jᵀ, then O += P_{j-1} V_{j-1}, as two groups; neither is waited for yet.
+            s = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
+            o_t = HW.wgmma_fence_operand(HW.acc_from_array(acc, D_PAD))
+            HW.wgmma_fence()  # the accumulators (rescaled in step j - 1) are written before wgmma reads them
+            s = qk_product(s, q_desc, k_desc + u64(((j % 2) * KV_STRIDE * 2) >> 4))
+            HW.wgmma_commit_group()
+            o_t = pv_product(o_t, P, v_desc + u64((((j - 1) % 2) * KV_STRIDE * 2) >> 4))
+            HW.wgmma_commit_group()
+            # Step 2c: S_j is done (P_{j-1} V_{j-1} may still run); mask and softmax while the tensor cores work.
+            s_landed(s, S)
+            if MASKED:
+                mask_scores(S, row0, j * BLOCK_N, seqlen_q, seqlen_k, causal, g, t)
+            softmax_rows(S, m_i, l_i, scale_log2, alpha)  # S becomes P_j; O must be scaled by alpha
+            # Step 2d: O += P_{j-1} V_{j-1} is done: rescale O, then P_j replaces P_{j-1} in the A registers.
+            pv_landed(o_t, acc, alpha, l_i, P, S)
+
+        return overlap_tile
+
+    overlap_tile, overlap_masked_tile = make_overlap_tile(False), make_overlap_tile(True)
+
     # ws: 384 threads, so ptxas must keep to 65536 / 384 = 168 registers per thread (the launch bounds)
     @kernel(fastmath=True, launch_bounds=(THREADS, 1) if WS else None)
     def flash_forward_wgmma(q, k, v, o, lse, qk_scale_log2, causal, maps):
@@ -748,6 +800,8 @@ def _forward_wgmma_kernel(cfg: WGConfig):
             _, k_end = d_key_range(q_start, BLOCK_M, seqlen_q, seqlen_k, causal)
             n_tiles = (k_end + BLOCK_N - 1) // BLOCK_N
         row0 = q_start + 16 * (tid // 32)  # the warp's first row
+        # overlap: the block's first key tile that needs a mask (masking.first_masked_tile); ws-overlap: per item.
+        first_masked = d_first_masked_tile(q_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal) if OVERLAP else 0
 
         # Step 1: Q_i and K_0, one cp.async group.
         producer = WS and wg == WARPGROUPS  # ws: the copying warpgroup (threads CONSUMERS ..)
@@ -966,40 +1020,22 @@ def _forward_wgmma_kernel(cfg: WGConfig):
             # warpgroup 0 hands the turn on (to warpgroup 1's O += P V), the block barrier starts the next tile.
             pv_in_turn(acc, P, S, v_desc + u64((buf * KV_STRIDE * 2) >> 4), mine, wg == 0, other)
 
-        for j in range(n_tiles if OVERLAP else 0):
-            k_start = j * BLOCK_N
-            buf = j % 2
-            # Step 2a: K_j and V_{j-1} have landed (the only group in flight); then start K_{j+1} and V_j.
-            I.cp_async_wait(0)
-            HW.fence_proxy_async()  # my cp.async writes → visible to the tensor cores (the async proxy)
-            # Everyone's copies are visible; and every warpgroup has finished iteration j - 1, whose wgmmas read
-            # K_{j-1} and V_{j-2}: the very buffers refilled now.
-            cuda.syncthreads()
-            if j + 1 < n_tiles:
-                load_kv(smem, K_OFF + (1 - buf) * KV_STRIDE, k, b, h, k_start + BLOCK_N, seqlen_k, tid)
-            load_kv(smem, V_OFF + buf * KV_STRIDE, v, b, h, k_start, seqlen_k, tid)
-            I.cp_async_commit()
-
-            # Step 2b: issue S_j = Q_i K_jᵀ, then O += P_{j-1} V_{j-1}, as two groups; neither is waited for yet.
-            s = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
-            o_t = HW.wgmma_fence_operand(HW.acc_from_array(acc, D_PAD))
-            HW.wgmma_fence()  # the accumulators (rescaled in iteration j - 1) are written before wgmma reads them
-            k_desc_j = k_desc + u64((buf * KV_STRIDE * 2) >> 4)
-            s = qk_product(s, q_desc, k_desc_j)
-            HW.wgmma_commit_group()
-            if j > 0:
-                v_desc_j = v_desc + u64(((1 - buf) * KV_STRIDE * 2) >> 4)
-                o_t = pv_product(o_t, P, v_desc_j)
-            HW.wgmma_commit_group()  # possibly empty: "all but the newest group" is then S_j in every iteration
-
-            # Step 2c: S_j is done (P_{j-1} V_{j-1} may still run); mask and softmax while the tensor cores work.
-            s_landed(s, S)
-            if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
-                mask_scores(S, row0, k_start, seqlen_q, seqlen_k, causal, g, t)
-            softmax_rows(S, m_i, l_i, scale_log2, alpha)  # S becomes P_j; O must be scaled by alpha
-
-            # Step 2d: O += P_{j-1} V_{j-1} is done: rescale O, then P_j replaces P_{j-1} in the A registers.
-            pv_landed(o_t, acc, alpha, l_i, P, S)
+        if OVERLAP and n_tiles > 0:
+            # Key tile 0 (step 2a as below; no P V yet): S_0 alone, waited for; then P_0 (O is still zero).
+            overlap_refill(smem, k, v, b, h, 0, n_tiles, seqlen_k, tid)
+            s_in_turn(S, q_desc, k_desc, False, mine, False, other)
+            if first_masked == 0:
+                mask_scores(S, row0, 0, seqlen_q, seqlen_k, causal, g, t)
+            softmax_rows(S, m_i, l_i, scale_log2, alpha)
+            for kk in range(PV_STEPS):
+                p_frags(P, S, kk, kk)
+        # Key tiles 1 ...: two loops of straight-line steps, the tiles that need no mask, then the last ones that do.
+        for j in range(1 if OVERLAP else 0, max(1, min(first_masked, n_tiles)) if OVERLAP else 0):
+            overlap_tile(S, P, acc, m_i, l_i, alpha, smem, k, v, q_desc, k_desc, v_desc, b, h, j, n_tiles, row0,
+                         seqlen_q, seqlen_k, causal, g, t, scale_log2, tid)
+        for j in range(max(1, min(first_masked, n_tiles)) if OVERLAP else 0, n_tiles if OVERLAP else 0):
+            overlap_masked_tile(S, P, acc, m_i, l_i, alpha, smem, k, v, q_desc, k_desc, v_desc, b, h, j, n_tiles,
+                                row0, seqlen_q, seqlen_k, causal, g, t, scale_log2, tid)
 
         if OVERLAP and n_tiles > 0:
             # Step 2e: the last O += P V, once V_{n-1} has landed.
@@ -1092,7 +1128,11 @@ def choose_config(
     bf16, N = 512 / 1k / 2k) 324 / 384 / 423 non-causal and 195 / 277 / 348
     causal, against 284 / 322 / 344 and 188 / 250 / 297 for the 128 × 128 ws
     kernel picked before (fp16 within 1 %).  The 128 × 192 tiles stay ahead
-    from 2k keys on.
+    from 2k keys on.  Re-measured on an H100 with files
+    (``tc-forward-NVIDIA-H100-80GB-HBM3-2026-12-06-overlap.json`` and
+    ``…-base.json``, bf16, N = 512 / 1k): 322 / 383 non-causal and 194 / 279
+    causal against 285 / 329 and 189 / 255 for the ws kernel; at 2k the
+    128 × 192 and 128 × 128 tiles are level (436 / 423 and 344 / 345).
 
     ``tc-forward-NVIDIA-H200-2026-12-03-persistent.json`` (bf16, N = 1k / 2k /
     4k / 16k, each pick beside itself with one block per work chunk): persistent

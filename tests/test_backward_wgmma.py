@@ -150,6 +150,21 @@ def test_backward_wgmma_atomic_dq_chunk_split(xp, rng, kind, causal, n_q, n_k, o
     check_against_reference(got, values, scale, causal, kind)
 
 
+@hopper
+@pytest.mark.parametrize("kind,causal,n_q,n_k,d,bulk,mn", [
+    ("bfloat16", True, 150, 130, 128, True, False),  # three query tiles: a stage refilled after its late release
+    ("float16", False, 70, 37, 120, False, True),  # D padded to 128; dS read MN-major; rows that see no key
+])
+def test_backward_wgmma_atomic_dq_dk_last(xp, rng, kind, causal, n_q, n_k, d, bulk, mn):
+    """``dk_last``: the ws kernel's tile ends with dQ's product, then dK's, and waits only for dQ's; dK's runs on
+    into the next tile and is waited for with its Sᵀ, which hands the stage back a tile late (the last one after
+    the loop).  Copies land only at their mbarrier wait here, so a stage refilled before dK has read it, or a
+    release miscounted, gives a wrong dk or a hang."""
+    cfg = B.WGBackwardConfig(128, 64, d, kind, dkdv_ws=True, bulk_dq=bulk, ds_mn_major=mn, dk_last=True)
+    got, values, scale = run_backward(xp, rng, n_q, n_k, d, kind, causal, False, heads=1, cfg=cfg, launch=launch)
+    check_against_reference(got, values, scale, causal, kind)
+
+
 # The head dim cut into slices of gradient columns, one block each (as above D = 128 on the GPU).  (kind, causal,
 # seqlen_q, seqlen_k, head dim, d_slice); dQ by its own kernel (the atomic route takes no slices).
 SLICED = [
@@ -276,6 +291,13 @@ def test_config_validation():
         B.WGBackwardConfig(128, 128, 128, "bfloat16", dq_chunk_split=True)  # the warpgroups split the columns
     with pytest.raises(ValueError, match="dq_overlap"):
         B.WGBackwardConfig(128, 64, 64, "bfloat16", dq_overlap=True)  # the ws kernel's
+    with pytest.raises(ValueError, match="dk_last"):
+        B.WGBackwardConfig(128, 64, 128, "bfloat16", bulk_dq=True, dk_last=True)  # the ws kernel's
+    with pytest.raises(ValueError, match="dk_last"):
+        B.WGBackwardConfig(128, 64, 64, "bfloat16", dkdv_ws=True, dk_last=True)  # D = 64: warpgroup 0 alone on dQ
+    with pytest.raises(ValueError, match="dk_last"):
+        B.WGBackwardConfig(128, 128, 128, "bfloat16", dkdv_ws=True, dk_last=True)  # two 64-query chunks
+    assert B.WGBackwardConfig(128, 64, 128, "bfloat16", dkdv_ws=True, bulk_dq=True, dk_last=True).dk_last
     with pytest.raises(ValueError, match="needs d_slice"):
         B.WGBackwardConfig(64, 16, 136, "float16")
     # Above D = 128: two slices of 128 columns; auto keeps the mma.sync backward there (measured faster).
