@@ -35,7 +35,13 @@ With ``P_ij = exp(S_ij·scale − lse_i)`` recomputed tile by tile::
       issued as two commit groups; the next tile's lse2, D are loaded meanwhile;
    b. once Sᵀ is done (dPᵀ still running): ``Pᵀ = exp2(Sᵀ · scale · log2 e −
       lse2_col)`` (a thread's values sit in columns 8n + 2t + c: lse2 and D are
-      per *column*), invisible pairs 0;
+      per *column*), invisible pairs 0 — the masked step a compile-time
+      variant for the few tiles that need it, and its shared-memory indices
+      (as dSᵀ's in d) unsigned: Numba tests every signed index for
+      wraparound, and with those tests and a run-time mask flag the unmasked
+      step was 313 SASS instructions besides its 32 exponentials, where 39
+      do (offline sm_90a, 2026-12-06; a profile had the computing warps
+      spending 41 % of their time issuing steps b and d);
    c. ``dV_j += Pᵀ dO_i`` issued (registers × shared, dO_i read N-major);
    d. once dPᵀ is done (dV still running): ``dSᵀ = Pᵀ ∘ (dPᵀ − D_col)``, then
       ``dK_j += dSᵀ Q_i`` issued; both waited for before the next tile's
