@@ -628,6 +628,19 @@ def _forward_wgmma_kernel(cfg: WGConfig):
         HW.acc_to_array(o_t, acc)
 
     @device_function
+    def issue_pair(acc, P, q_desc, k_desc_j, v_desc_prev):
+        """Overlapped schedules: issue S_j = Q_i K_jᵀ, then O += P_{j-1} V_{j-1}, as two groups, neither waited
+        for; returns their accumulators ``(s, o_t)``."""
+        s = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
+        o_t = HW.wgmma_fence_operand(HW.acc_from_array(acc, D_PAD))
+        HW.wgmma_fence()  # the accumulators (rescaled after tile j - 1) are written before wgmma reads them
+        s = qk_product(s, q_desc, k_desc_j)
+        HW.wgmma_commit_group()
+        o_t = pv_product(o_t, P, v_desc_prev)
+        HW.wgmma_commit_group()
+        return s, o_t
+
+    @device_function
     def s_landed(s, S):
         """Overlapped schedules: wait for S_j (the older of the two groups in flight) and store it into ``S``; the
         O += P_{j-1} V_{j-1} issued after it may still run."""
@@ -678,13 +691,8 @@ def _forward_wgmma_kernel(cfg: WGConfig):
             wait_v(bars, c + j - 1)  # split: V_{j-1} has landed (checked before the turn: a loop ends a block)
             # In my turn: both products, then the other warpgroup's pair follows.
             HW.named_barrier_sync(mine, PAIR)
-            s = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
-            o_t = HW.wgmma_fence_operand(HW.acc_from_array(acc, D_PAD))
-            HW.wgmma_fence()  # the accumulators (rescaled after tile j - 1) are written before wgmma reads them
-            s = qk_product(s, q_desc, k_desc + u64((stage * KV_STRIDE * 2) >> 4))
-            HW.wgmma_commit_group()
-            o_t = pv_product(o_t, P, v_desc + u64((prev * KV_STRIDE * 2) >> 4))
-            HW.wgmma_commit_group()
+            s, o_t = issue_pair(acc, P, q_desc, k_desc + u64((stage * KV_STRIDE * 2) >> 4),
+                                v_desc + u64((prev * KV_STRIDE * 2) >> 4))
             HW.named_barrier_arrive(other, PAIR)
 
             # S_j is done (P_{j-1} V_{j-1} may still run): mask and softmax under the tensor cores' work.
@@ -731,13 +739,8 @@ def _forward_wgmma_kernel(cfg: WGConfig):
             the first block boundary)."""
             overlap_refill(smem, k, v, b, h, j, n_tiles, seqlen_k, tid)
             # Step 2b: issue S_j = Q_i K_jᵀ, then O += P_{j-1} V_{j-1}, as two groups; neither is waited for yet.
-            s = HW.wgmma_fence_operand(HW.wgmma_acc_zeros(BLOCK_N))
-            o_t = HW.wgmma_fence_operand(HW.acc_from_array(acc, D_PAD))
-            HW.wgmma_fence()  # the accumulators (rescaled in step j - 1) are written before wgmma reads them
-            s = qk_product(s, q_desc, k_desc + u64(((j % 2) * KV_STRIDE * 2) >> 4))
-            HW.wgmma_commit_group()
-            o_t = pv_product(o_t, P, v_desc + u64((((j - 1) % 2) * KV_STRIDE * 2) >> 4))
-            HW.wgmma_commit_group()
+            s, o_t = issue_pair(acc, P, q_desc, k_desc + u64(((j % 2) * KV_STRIDE * 2) >> 4),
+                                v_desc + u64((((j - 1) % 2) * KV_STRIDE * 2) >> 4))
             # Step 2c: S_j is done (P_{j-1} V_{j-1} may still run); mask and softmax while the tensor cores work.
             s_landed(s, S)
             if MASKED:
