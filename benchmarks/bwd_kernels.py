@@ -1,4 +1,4 @@
-"""Where the backward's time goes, kernel by kernel: nbflash's tensor-core backward beside SDPA's flash backward.
+"""Where the backward's time goes, kernel by kernel: nbflash's tensor-core backward beside SDPA's (flash, cuDNN).
 
 Run on a CUDA machine (CuPy and PyTorch needed)::
 
@@ -9,7 +9,8 @@ flag, both backwards run ``--reps`` times under ``torch.profiler`` (CUPTI record
 Numba's launches included), after a warm-up.  The table gives each kernel's mean time per backward call, its
 share of the call, and the sum; the kernels run back to back on one stream, so the sum is the call's GPU time less the
 gaps between launches.  ``--deterministic`` adds nbflash's deterministic dQ route, ``--wgmma`` its Hopper
-backward (``--no-tensor-core``: without the ``mma.sync`` one).  Results go to
+backward (``--no-tensor-core``: without the ``mma.sync`` one), ``--cudnn`` SDPA's cuDNN backward (its kernels:
+the main one, and any other by name, e.g. what it runs before and after).  Results go to
 ``<out>/bwd-kernels-<device>-<date><suffix>.json`` (rewritten after every shape) as well as to the screen.
 """
 
@@ -42,12 +43,16 @@ SDPA_KERNELS = [
     (re.compile(r"convert_dq"), "sdpa: convert dQ"),
     (re.compile(r"dq_dk_dv|dk_dv|bwd"), "sdpa: dK, dV (+ atomic dQ)"),
 ]
+#: cuDNN's generated kernels (``--cudnn``): the main one by its kind, any other by the start of its name.
+CUDNN_MAIN = re.compile(r"cudnn.*bprop")
 
 
 def short_name(name: str) -> str:
     m = re.search(r"flash_backward_[a-z0-9_]*[a-z]", name)
     if m:
         return "nbflash: " + m.group(0).removeprefix("flash_backward_")
+    if "cudnn" in name:
+        return "cudnn: bprop (dQ, dK, dV)" if CUDNN_MAIN.search(name) else "cudnn: " + name[:52]
     for pattern, label in SDPA_KERNELS:
         if pattern.search(name):
             return label
@@ -86,6 +91,7 @@ def main():
     ap.add_argument("--deterministic", action="store_true", help="also nbflash's deterministic dQ route")
     ap.add_argument("--wgmma", action="store_true", help="also nbflash's wgmma backward")
     ap.add_argument("--no-tensor-core", action="store_true", help="without nbflash's mma.sync backward")
+    ap.add_argument("--cudnn", action="store_true", help="also SDPA's cuDNN backward (sm_80+, recent PyTorch)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--suffix", default="")
     args = ap.parse_args()
@@ -111,16 +117,20 @@ def main():
                 def nb(kw):
                     return lambda: api.backward_arrays(cdo, cq, ck, cv, o, lse, causal=causal, bf16_bits=bf16, **kw)
 
-                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
-                    out = F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal)
+                def sdpa(backend):
+                    """SDPA's backward by ``backend`` (its forward's graph kept: each call runs the backward only)."""
+                    with sdpa_kernel(backend):
+                        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+                        out = F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal)
+                    return lambda: torch.autograd.grad(out, (qq, kk, vv), do, retain_graph=True)
 
-                def sdpa():
-                    return torch.autograd.grad(out, (qq, kk, vv), do, retain_graph=True)
+                peers = [("sdpa flash", sdpa(SDPBackend.FLASH_ATTENTION))]
+                if args.cudnn:
+                    peers.append(("sdpa cudnn", sdpa(SDPBackend.CUDNN_ATTENTION)))
 
                 flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
                 rows = []
-                for route, fn in [*((r, nb(kw)) for r, kw in routes.items()), ("sdpa flash", sdpa)]:
+                for route, fn in [*((r, nb(kw)) for r, kw in routes.items()), *peers]:
                     times, wall = kernel_times(fn, args.reps)
                     total = sum(times.values())
                     for kname, t in sorted(times.items(), key=lambda kv: -kv[1]):
