@@ -58,7 +58,14 @@ With ``P_ij = exp(S_ij·scale − lse_i)`` recomputed tile by tile::
        tensor cores:   [ Sᵀ ][ dPᵀ ]        [ dV ]        [ dK ]
        its threads:    lse2,D | Pᵀ ......  | dSᵀ ...... |        | barrier
 
-   Finally ``dK_j · scale`` and ``dV_j`` are written once.
+   Finally ``dK_j · scale`` and ``dV_j`` are written once: two 16-bit stores
+   per pair straight from the accumulators, which took 13 µs a block at D =
+   128 (4.5 at D = 64), a quarter of a block's time at N = 1k (per-block
+   ``%clock64`` stamps, H100, 2026-12-06).  With ``staged_out`` (not yet
+   timed, so off) they go through shared memory instead: the consumers meet
+   (every product that reads K_j, V_j is done), each warp packs its 16 keys'
+   rows to 16 bits over the K_j, V_j tiles and writes them in whole 16-byte
+   chunks, one tensor after the other.
 
    **Warp specialisation** (``dkdv_ws``, the GPU default up to D = 128): the
    block gets one more warpgroup, a *producer* that only copies, and the
@@ -194,6 +201,7 @@ wait for the slower one's dSᵀ) and the early wait at D = 128.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -205,9 +213,19 @@ from . import backward_tc as bt
 from . import hopper as HW
 from . import intrinsics as I
 from . import tma as T
-from ._device import SIMULATOR, cuda, device_function, kernel, launch, max_shared_per_block, numba, warp_uniform
+from ._device import (
+    SIMULATOR,
+    cuda,
+    device_function,
+    kernel,
+    launch,
+    max_shared_per_block,
+    numba,
+    syncwarp,
+    warp_uniform,
+)
 from ._tiles import LOG2E, HeadDimSlices
-from ._validate import array_module, tile_rows_problem
+from ._validate import array_module, chunked_rows_problem, tile_rows_problem
 from .backward_tc import _make_pair_storer
 from .forward_tc import fragment_steps
 from .forward_wgmma import PANEL, REGISTERS, no_maps, rs_product, ss_product, supported_device, swizzled_tile_loader
@@ -282,6 +300,12 @@ class WGBackwardConfig(HeadDimSlices):
     #: while dK's still runs, and dK's left running into the next tile (waited for with its Sᵀ; the stage goes
     #: back then).  dV is waited for before the dQ product (its A registers then free for dS's)
     dk_last: bool = False
+    #: the dK/dV kernel's last step through shared memory: each warp stages its rows of dK_j · scale, then of
+    #: dV_j, over the K_j, V_j tiles and writes them in whole 16-byte chunks, instead of two 16-bit stores per
+    #: pair from the accumulators (13 µs a block at D = 128 on the H100, a quarter of the block at N = 1k).
+    #: Correct in the simulator and compiled for sm_90a without spills; off until it is timed on the GPU.
+    #: dk and dv must then have rows of whole, aligned 16-byte chunks (:func:`can_implement`)
+    staged_out: bool = False
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -521,6 +545,13 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
     PANELS = D_SMEM // PANEL  # TMA boxes per tile: one per 64-column panel (columns past D arrive as zeros)
     OWN_BYTES = 2 * BLOCK_M * D_SMEM * 2  # K_j and V_j
     STREAM_BYTES = 2 * BLOCK_N * D_SMEM * 2 + 2 * COL_BUF * 2  # Q_i, dO_i, and the box of lse2_i and D_i
+    # The last step (``staged_out``): dK_j, dV_j staged one at a time over the K_j, V_j tiles (2·BLOCK_M·D_SMEM
+    # elements), rows of the slice plus 8 elements (16 bytes: the rows' pairs fall in different banks, every row
+    # starts 16-byte aligned).
+    STAGED_OUT, OUT_PITCH, OUT_CHUNKS = cfg.staged_out, SLICE + 8, SLICE // 8
+    assert BLOCK_M * OUT_PITCH <= 2 * BLOCK_M * D_SMEM and OUT_CHUNKS % 2 == 0
+    OUT_READY = DS_READY + 1  # ws: "every consumer's products are done" (consumers only)
+    pack = I.pack_f16x2 if cfg.input_kind == "float16" else I.pack_bf16x2  # the first value in the low half
 
     @device_function
     def issue_own(smem, maps, bars, b, h, k_start):
@@ -542,6 +573,30 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
                           bars, stage)
         # The float32 pairs as 16-bit words: columns 2·q_start ... of rows 0 (lse2) and 1 (D).
         T.tma_load_4d(smem, 2 * (COLS_F + stage * COL_BUF), maps[4], 2 * q_start, 0, h, b, bars, stage)
+
+    @device_function
+    def stage_rows(smem32, word, acc, sc):
+        """A thread's gradient pairs ``acc · sc`` (keys g, g + 8 of its warp; columns 8n + 2t, + 1 of the
+        slice) packed to 16 bits into the warp's staged rows, from 32-bit word ``word`` (its row g, pair t).
+        The row pitch is ``OUT_PITCH`` = slice + 8 elements: the 32 lanes' words fall in 32 banks."""
+        for r in range(2):
+            for n in range(D_TILES):
+                smem32[word + u32(r * 4 * OUT_PITCH + 4 * n)] = pack(acc[n, 2 * r] * sc, acc[n, 2 * r + 1] * sc)
+
+    @device_function
+    def write_rows(smem, offset, dst, b, h, key_first, seqlen_k, c0, lane):
+        """The warp's 16 staged rows (from 16-bit element ``offset``) to keys ``key_first ...`` of ``dst[b, h]``,
+        columns ``c0 ...``: one ``ld.shared.v4`` and one ``st.global.v4`` per 16-byte chunk, consecutive lanes
+        on consecutive chunks of a row (whole 32-byte sectors); keys past ``seqlen_k`` and chunks of head-dim
+        padding (D is a multiple of 8: a chunk is data or padding) skipped."""
+        for it in range(OUT_CHUNKS // 2):  # 16 rows × OUT_CHUNKS chunks, over 32 lanes
+            c = u32(lane) + u32(32 * it)
+            r = c // u32(OUT_CHUNKS)
+            chunk = c % u32(OUT_CHUNKS)
+            col = c0 + 8 * chunk
+            if key_first + r < seqlen_k and col < D:
+                w0, w1, w2, w3 = I.ld_shared_v4_b32(smem, offset + r * u32(OUT_PITCH) + u32(8) * chunk)
+                I.st_global_v4_b32(I.global_address(dst, (b, h, key_first + r, col)), w0, w1, w2, w3)
 
     @device_function
     def stage_columns(smem_f, base, lse2, delta, b, h, start, seqlen_q, tid):
@@ -871,16 +926,34 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
             # landed: the grid's end makes them visible to step 2'.
             HW.bulk_wait_group_read(0)
 
-        # dK_j · scale and dV_j, written once (head-dim padding not written).
+        # dK_j · scale and dV_j, written once (head-dim padding and keys past the end not written).
         sc = numba.float32(scale)
-        for r in range(2):
-            key = key0 + g + 8 * r
-            if key < seqlen_k:
-                for n in range(D_TILES):
-                    if c0 + 8 * n < D:
-                        col = c0 + 8 * n + 2 * t
-                        store_pair(dk, b, h, key, col, dK[n, 2 * r] * sc, dK[n, 2 * r + 1] * sc)
-                        store_pair(dv, b, h, key, col, dV[n, 2 * r], dV[n, 2 * r + 1])
+        if STAGED_OUT:
+            # Staged in shared memory: each warp puts its 16 keys' rows there as 16-bit pairs, then writes
+            # whole 16-byte chunks.  The staging is the K_j, V_j tiles, free once every consumer's last product
+            # has read them (dQ's product reads all of K_j): the consumers meet first (ws: the producer has left).
+            if WS:
+                HW.named_barrier_sync(OUT_READY, CONSUMERS)
+            else:
+                cuda.syncthreads()
+            out_word = u32((16 * (tid // 32) + g) * (OUT_PITCH // 2) + t)  # row g of the warp's rows, pair t
+            out_rows = u32(16 * (tid // 32) * OUT_PITCH)  # the warp's first staged row (16-bit elements)
+            stage_rows(smem32, out_word, dK, sc)
+            syncwarp()  # the warp's pairs are in place before its lanes read other lanes' chunks
+            write_rows(smem, out_rows, dk, b, h, key0, seqlen_k, c0, lane)
+            syncwarp()  # every lane has read its chunks before the rows are overwritten
+            stage_rows(smem32, out_word, dV, numba.float32(1))
+            syncwarp()
+            write_rows(smem, out_rows, dv, b, h, key0, seqlen_k, c0, lane)
+        else:  # two 16-bit stores per pair, straight from the accumulators
+            for r in range(2):
+                key = key0 + g + 8 * r
+                if key < seqlen_k:
+                    for n in range(D_TILES):
+                        if c0 + 8 * n < D:
+                            col = c0 + 8 * n + 2 * t
+                            store_pair(dk, b, h, key, col, dK[n, 2 * r] * sc, dK[n, 2 * r + 1] * sc)
+                            store_pair(dv, b, h, key, col, dV[n, 2 * r], dV[n, 2 * r + 1])
 
     return flash_backward_dkdv_wgmma
 
@@ -1128,8 +1201,12 @@ def can_implement(cfg: WGBackwardConfig, *arrays, atomic: bool = False) -> tuple
     limit = max_shared_per_block()
     if need > limit:
         return False, f"needs {need} bytes of shared memory per block, the device allows {limit}"
-    # do, q, k, v are copied by cp.async; o (read by the SIMT preprocess) and the gradients by plain accesses
+    # do, q, k, v are copied by cp.async; o (read by the SIMT preprocess) and dq by plain accesses; dk and dv
+    # too, or with ``staged_out`` in 16-byte chunks (the dK/dV kernel's last step)
     why = tile_rows_problem(cfg.head_dim, ("do", "q", "k", "v", "o", "dq", "dk", "dv"), arrays, copied=4)
+    if not why and cfg.staged_out:
+        why = next(filter(None, (chunked_rows_problem(name, a, 2) for name, a in zip(("dk", "dv"), arrays[6:8],
+                                                                                    strict=False))), "")
     if not why and cfg.dkdv_ws:  # the dK/dV kernel copies them by TMA: strides of whole 16-byte units
         why = next(filter(None, (T.stride_problem(name, a) for name, a in zip(("do", "q", "k", "v"), arrays,
                                                                               strict=False))), "")
@@ -1242,8 +1319,9 @@ def kernel_signature(cfg: WGBackwardConfig, name: str):
 def compile_targets():
     """``(name, cfg, kernel, signature, fastmath)`` for the GPU configurations (the PTX check, sm_90a): the defaults
     in bfloat16 at every head dim and in float16 at D = 128 (the kinds differ only in the wgmma's input type and
-    the packing of P and dS; the simulator runs both everywhere), and in bfloat16 at D = 64 and 128 the
-    configurations without TMA (:func:`config_for`'s fallback)."""
+    the packing of P and dS; the simulator runs both everywhere), in bfloat16 at D = 64 and 128 the
+    configurations without TMA (:func:`config_for`'s fallback), and the defaults' dK/dV kernels with
+    ``staged_out`` at D = 64 and 128."""
     rows = []
     cfgs = [choose_config(d, kind, simulator=False) for d in (40, 64, 96, 128, 256) for kind in ("float16", "bfloat16")
             if kind == "bfloat16" or d == 128]
@@ -1254,4 +1332,8 @@ def compile_targets():
             rows.append(("flash_backward_dkdv_wgmma_atomic", cfg, dkdv_wgmma_kernel(cfg, True),
                          kernel_signature(cfg, "dkdv_atomic"), True))
         rows.append(("flash_backward_dq_wgmma", cfg, dq_wgmma_kernel(cfg), kernel_signature(cfg, "dq"), True))
+    for d in (64, 128):  # the defaults' dK/dV kernels with ``staged_out`` (the dQ kernel has no such step)
+        cfg = dataclasses.replace(choose_config(d, "bfloat16", simulator=False), staged_out=True)
+        rows.append(("flash_backward_dkdv_wgmma_atomic", cfg, dkdv_wgmma_kernel(cfg, True),
+                     kernel_signature(cfg, "dkdv_atomic"), True))
     return rows
