@@ -1,20 +1,25 @@
 """Where a block of the Hopper dK/dV kernel spends its time: per-block timestamps (a diagnostic, not a benchmark).
 
-The kernels carry no timers.  ``benchmarks/trace_dkdv.diff`` (made against 5ccb99e) adds them: the dK/dV kernel
-gets one more argument, an int64 array with a row per block, which ``launch_backward_wgmma`` allocates and keeps
-as ``backward_wgmma.LAST_TRACE``; thread 0 (a consumer) writes ``%clock64`` at the block's phases, and
-``%globaltimer`` and ``%smid`` at its start and end (``nbflash.intrinsics``' three timer intrinsics)::
+The kernels carry no timers.  ``benchmarks/trace_dkdv.diff`` adds them (a patch, applied to a copy of the tree
+it came with, never committed): the dK/dV kernel gets one more argument, an int64 array with a row per block,
+which ``launch_backward_wgmma`` allocates and keeps as ``backward_wgmma.LAST_TRACE``; thread 0 (a consumer)
+writes ``%clock64`` at the block's phases, and ``%globaltimer`` and ``%smid`` at its start and end (three timer
+intrinsics the patch adds to ``nbflash.intrinsics``)::
 
-    git worktree add /tmp/trace 5ccb99e && cd /tmp/trace && git apply benchmarks/trace_dkdv.diff
-    cp <checkout>/benchmarks/trace_dkdv.py benchmarks/
+    git worktree add /tmp/trace HEAD && cd /tmp/trace && git apply benchmarks/trace_dkdv.diff
     python benchmarks/trace_dkdv.py --out OUT          # on an sm_90 GPU: trace, save the rows, summarise
     python benchmarks/trace_dkdv.py --summarize OUT    # the summary again from the saved rows (no GPU)
+
+(The rows of ``trace-dkdv-H100-2026-12-06-s32.json`` came from the patch's first form, on 5ccb99e, which had no
+stamp between the wait for the last dQ reduction and the stores: ``reduction_wait_us`` and ``stores_us`` are
+``null`` there.)
 
 For D = 128 and 64, bf16, N = 1k and 4k, causal and not, at batch·N = 16k, heads·D = 2048: the backward's
 default configuration for the shape (atomic dQ where it takes it), run five times, the last one traced.  Per
 shape (medians over the blocks, µs at the clock the stamps imply): the wait for K_j, V_j and for the first query
 tile, the first tile, a steady tile, the last tile, the last step (dK, dV written; from the loop's end to thread
-0's last store), and the gap between one block's end and the next block's start on the same multiprocessor.
+0's last store), split into the wait for the last dQ reduction's read and the stores, and the gap between one
+block's end and the next block's start on the same multiprocessor.
 Rows go to ``<out>/trace-<D>-<N>-<causal>.npy``, the summary to ``<out>/trace-dkdv-summary.json``.
 """
 
@@ -44,6 +49,7 @@ COLUMNS = {
     "start": 10,  # %clock64 at the block's start
     "end_ns": 11,  # %globaltimer after its last store
     "wg1_stores_end": 12,  # thread 128 (warpgroup 1) after its last store
+    "stores_start": 13,  # after its wait for the last bulk dQ reduction's read (staged_out: before that wait)
 }
 
 
@@ -55,6 +61,7 @@ def summarize(t: np.ndarray) -> dict:
     def us(cycles):
         return float(np.nanmedian(cycles / ghz / 1e3))
 
+    stamped = bool(np.any(col["stores_start"]))  # the patch's first form left this column zero
     tiles = col["tiles"].astype(float)
     steady = np.where(tiles > 2, (col["last_tile_start"] - col["tile0_end"]) / np.maximum(tiles - 2, 1), np.nan)
     gaps = []  # one block's end to the next block's start on the same multiprocessor
@@ -75,6 +82,8 @@ def summarize(t: np.ndarray) -> dict:
         "steady_tile_us": us(steady),
         "last_tile_us": us(col["loop_end"] - col["last_tile_start"]),
         "last_step_us": us(col["stores_end"] - col["loop_end"]),
+        "reduction_wait_us": us(col["stores_start"] - col["loop_end"]) if stamped else None,
+        "stores_us": us(col["stores_end"] - col["stores_start"]) if stamped else None,
         "wg1_stores_after_wg0_us": us(col["wg1_stores_end"] - col["stores_end"]),
         "producer_done_us": us(col["producer_issued"] - col["start"]),
         "sm_gap_us": float(np.median(gaps)) if gaps else None,

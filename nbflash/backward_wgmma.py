@@ -61,11 +61,12 @@ With ``P_ij = exp(S_ij·scale − lse_i)`` recomputed tile by tile::
    Finally ``dK_j · scale`` and ``dV_j`` are written once: two 16-bit stores
    per pair straight from the accumulators, which took 13 µs a block at D =
    128 (4.5 at D = 64), a quarter of a block's time at N = 1k (per-block
-   ``%clock64`` stamps, H100, 2026-12-06).  With ``staged_out`` (not yet
-   timed, so off) they go through shared memory instead: the consumers meet
-   (every product that reads K_j, V_j is done), each warp packs its 16 keys'
-   rows to 16 bits over the K_j, V_j tiles and writes them in whole 16-byte
-   chunks, one tensor after the other.
+   ``%clock64`` stamps, H100, 2026-12-06; with the wait for the last dQ
+   reduction's read before them).  With ``staged_out`` (not yet timed, so
+   off) they go through shared memory instead: the consumers meet (every
+   product that reads K_j, V_j is done), each warp packs its 16 keys' rows to
+   16 bits over the K_j, V_j tiles and writes them in whole 16-byte chunks,
+   one tensor after the other, and waits for that read only then.
 
    **Warp specialisation** (``dkdv_ws``, the GPU default up to D = 128): the
    block gets one more warpgroup, a *producer* that only copies, and the
@@ -148,7 +149,8 @@ With ``P_ij = exp(S_ij·scale − lse_i)`` recomputed tile by tile::
    :func:`~nbflash.forward_tc.fragment_steps`) while dP runs, ``dS = P ∘ (dP −
    D_row)``, ``dQ_i += dS K_j`` (registers × shared, K_j N-major; with
    ``dq_stages=3`` left running under the next tile's barrier, as in 1d).
-   ``dQ_i · scale`` written once.  No atomics: the same bits on every run.
+   ``dQ_i · scale`` written once (with ``staged_out`` through shared memory,
+   as in step 1).  No atomics: the same bits on every run.
 
 2'. **Convert** (atomic route): ``dq = accumulator · scale`` by the SIMT
    kernel of :mod:`nbflash.backward` (with ``bulk_dq``: by
@@ -300,11 +302,12 @@ class WGBackwardConfig(HeadDimSlices):
     #: while dK's still runs, and dK's left running into the next tile (waited for with its Sᵀ; the stage goes
     #: back then).  dV is waited for before the dQ product (its A registers then free for dS's)
     dk_last: bool = False
-    #: the dK/dV kernel's last step through shared memory: each warp stages its rows of dK_j · scale, then of
-    #: dV_j, over the K_j, V_j tiles and writes them in whole 16-byte chunks, instead of two 16-bit stores per
-    #: pair from the accumulators (13 µs a block at D = 128 on the H100, a quarter of the block at N = 1k).
-    #: Correct in the simulator and compiled for sm_90a without spills; off until it is timed on the GPU.
-    #: dk and dv must then have rows of whole, aligned 16-byte chunks (:func:`can_implement`)
+    #: both kernels' last step through shared memory (:func:`staged_rows`): each warp stages its rows of dK_j ·
+    #: scale, then of dV_j, over the K_j, V_j tiles (dQ_i · scale over Q_i, dO_i) and writes them in whole
+    #: 16-byte chunks, instead of two 16-bit stores per pair from the accumulators (in the dK/dV kernel 13 µs a
+    #: block at D = 128 on the H100, a quarter of the block at N = 1k).  Correct in the simulator and compiled
+    #: for sm_90a without spills; off until it is timed on the GPU.  dq, dk and dv must then have rows of
+    #: whole, aligned 16-byte chunks (:func:`can_implement`)
     staged_out: bool = False
 
     def __post_init__(self):
@@ -477,6 +480,49 @@ class _Consts:
 
 
 @functools.cache
+def staged_rows(cfg: WGBackwardConfig):
+    """``(stage_rows, write_rows, OUT_PITCH)``: both kernels' last step with ``staged_out`` — a gradient tile of
+    the block's rows (keys in dK/dV, queries in dQ) × its slice's columns written through shared memory.
+
+    ``stage_rows(smem32, word, acc, sc)``: a thread's accumulator pairs ``acc · sc`` (rows g, g + 8 of its warp's
+    16; columns 8n + 2t, + 1 of the slice) packed to 16 bits, from 32-bit word ``word`` of the warp's staged rows
+    (its row g, pair t).  Rows are ``OUT_PITCH`` = slice + 8 elements apart: 16 bytes more than the data, so the
+    32 lanes' words fall in 32 banks and every row starts 16-byte aligned.  A block stages ``BLOCK_M`` rows, over
+    its two once-copied tiles (``2 · BLOCK_M · D_SMEM`` elements from 0).
+
+    ``write_rows(smem, offset, dst, b, h, row_first, seqlen, c0, lane)``: the warp's 16 staged rows (from 16-bit
+    element ``offset``) to rows ``row_first ...`` of ``dst[b, h]``, columns ``c0 ...``: one ``ld.shared.v4`` and
+    one ``st.global.v4`` per 16-byte chunk, consecutive lanes on consecutive chunks of a row (whole 32-byte
+    sectors); rows past ``seqlen`` and chunks of head-dim padding (D is a multiple of 8: a chunk is data or
+    padding) skipped.  ``dst`` needs rows of whole, aligned 16-byte chunks (:func:`can_implement`).
+    """
+    D, SLICE, D_TILES = cfg.head_dim, cfg.slice_cols, cfg.slice_cols // 8
+    OUT_PITCH, OUT_CHUNKS = SLICE + 8, SLICE // 8
+    assert OUT_PITCH <= 2 * cfg.d_smem and OUT_CHUNKS % 2 == 0
+    pack = I.pack_f16x2 if cfg.input_kind == "float16" else I.pack_bf16x2  # the first value in the low half
+    u32 = numba.uint32
+
+    @device_function
+    def stage_rows(smem32, word, acc, sc):
+        for r in range(2):
+            for n in range(D_TILES):
+                smem32[word + u32(r * 4 * OUT_PITCH + 4 * n)] = pack(acc[n, 2 * r] * sc, acc[n, 2 * r + 1] * sc)
+
+    @device_function
+    def write_rows(smem, offset, dst, b, h, row_first, seqlen, c0, lane):
+        for it in range(OUT_CHUNKS // 2):  # 16 rows × OUT_CHUNKS chunks, over 32 lanes
+            c = u32(lane) + u32(32 * it)
+            r = c // u32(OUT_CHUNKS)
+            chunk = c % u32(OUT_CHUNKS)
+            col = c0 + 8 * chunk
+            if row_first + r < seqlen and col < D:
+                w0, w1, w2, w3 = I.ld_shared_v4_b32(smem, offset + r * u32(OUT_PITCH) + u32(8) * chunk)
+                I.st_global_v4_b32(I.global_address(dst, (b, h, row_first + r, col)), w0, w1, w2, w3)
+
+    return stage_rows, write_rows, OUT_PITCH
+
+
+@functools.cache
 def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
     """The compiled dK/dV kernel (step 1) for one configuration (cached); ``atomic_dq`` adds step 1e."""
     if atomic_dq and not takes_atomic(cfg):
@@ -545,13 +591,10 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
     PANELS = D_SMEM // PANEL  # TMA boxes per tile: one per 64-column panel (columns past D arrive as zeros)
     OWN_BYTES = 2 * BLOCK_M * D_SMEM * 2  # K_j and V_j
     STREAM_BYTES = 2 * BLOCK_N * D_SMEM * 2 + 2 * COL_BUF * 2  # Q_i, dO_i, and the box of lse2_i and D_i
-    # The last step (``staged_out``): dK_j, dV_j staged one at a time over the K_j, V_j tiles (2·BLOCK_M·D_SMEM
-    # elements), rows of the slice plus 8 elements (16 bytes: the rows' pairs fall in different banks, every row
-    # starts 16-byte aligned).
-    STAGED_OUT, OUT_PITCH, OUT_CHUNKS = cfg.staged_out, SLICE + 8, SLICE // 8
-    assert BLOCK_M * OUT_PITCH <= 2 * BLOCK_M * D_SMEM and OUT_CHUNKS % 2 == 0
+    # The last step (``staged_out``): dK_j, dV_j staged one at a time over the K_j, V_j tiles.
+    STAGED_OUT = cfg.staged_out
+    stage_rows, write_rows, OUT_PITCH = staged_rows(cfg)
     OUT_READY = DS_READY + 1  # ws: "every consumer's products are done" (consumers only)
-    pack = I.pack_f16x2 if cfg.input_kind == "float16" else I.pack_bf16x2  # the first value in the low half
 
     @device_function
     def issue_own(smem, maps, bars, b, h, k_start):
@@ -573,30 +616,6 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
                           bars, stage)
         # The float32 pairs as 16-bit words: columns 2·q_start ... of rows 0 (lse2) and 1 (D).
         T.tma_load_4d(smem, 2 * (COLS_F + stage * COL_BUF), maps[4], 2 * q_start, 0, h, b, bars, stage)
-
-    @device_function
-    def stage_rows(smem32, word, acc, sc):
-        """A thread's gradient pairs ``acc · sc`` (keys g, g + 8 of its warp; columns 8n + 2t, + 1 of the
-        slice) packed to 16 bits into the warp's staged rows, from 32-bit word ``word`` (its row g, pair t).
-        The row pitch is ``OUT_PITCH`` = slice + 8 elements: the 32 lanes' words fall in 32 banks."""
-        for r in range(2):
-            for n in range(D_TILES):
-                smem32[word + u32(r * 4 * OUT_PITCH + 4 * n)] = pack(acc[n, 2 * r] * sc, acc[n, 2 * r + 1] * sc)
-
-    @device_function
-    def write_rows(smem, offset, dst, b, h, key_first, seqlen_k, c0, lane):
-        """The warp's 16 staged rows (from 16-bit element ``offset``) to keys ``key_first ...`` of ``dst[b, h]``,
-        columns ``c0 ...``: one ``ld.shared.v4`` and one ``st.global.v4`` per 16-byte chunk, consecutive lanes
-        on consecutive chunks of a row (whole 32-byte sectors); keys past ``seqlen_k`` and chunks of head-dim
-        padding (D is a multiple of 8: a chunk is data or padding) skipped."""
-        for it in range(OUT_CHUNKS // 2):  # 16 rows × OUT_CHUNKS chunks, over 32 lanes
-            c = u32(lane) + u32(32 * it)
-            r = c // u32(OUT_CHUNKS)
-            chunk = c % u32(OUT_CHUNKS)
-            col = c0 + 8 * chunk
-            if key_first + r < seqlen_k and col < D:
-                w0, w1, w2, w3 = I.ld_shared_v4_b32(smem, offset + r * u32(OUT_PITCH) + u32(8) * chunk)
-                I.st_global_v4_b32(I.global_address(dst, (b, h, key_first + r, col)), w0, w1, w2, w3)
 
     @device_function
     def stage_columns(smem_f, base, lse2, delta, b, h, start, seqlen_q, tid):
@@ -921,9 +940,9 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
             HW.acc_to_array(HW.wgmma_fence_operand(dk_t), dK)
             if n_tiles > 0:
                 HW.named_barrier_arrive(EMPTY + (n_tiles - 1) % STAGES, HANDSHAKE)
-        if BULK_DQ and lane == 0:
+        if BULK_DQ and lane == 0 and not STAGED_OUT:
             # ... nor a read of the staging: the block's shared memory may go.  The additions need not have
-            # landed: the grid's end makes them visible to step 2'.
+            # landed: the grid's end makes them visible to step 2'.  (staged_out: after the stores below.)
             HW.bulk_wait_group_read(0)
 
         # dK_j · scale and dV_j, written once (head-dim padding and keys past the end not written).
@@ -945,6 +964,10 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
             stage_rows(smem32, out_word, dV, numba.float32(1))
             syncwarp()
             write_rows(smem, out_rows, dv, b, h, key0, seqlen_k, c0, lane)
+            if BULK_DQ and lane == 0:
+                # The last reductions' reads of dQ's staging (a region of its own) ran under the stores; the
+                # block's shared memory may go once they are done.
+                HW.bulk_wait_group_read(0)
         else:  # two 16-bit stores per pair, straight from the accumulators
             for r in range(2):
                 key = key0 + g + 8 * r
@@ -977,6 +1000,8 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
     load_own = swizzled_tile_loader(BLOCK_M, THREADS, D, D_SMEM)
     load_stream = swizzled_tile_loader(BLOCK_N, THREADS, D, D_SMEM)
     block_tile = cfg.block_tile(BLOCK_M, last_first=True)
+    STAGED_OUT = cfg.staged_out  # the last step: dQ_i staged over the Q_i, dO_i tiles
+    stage_rows, write_rows, OUT_PITCH = staged_rows(cfg)
 
     @kernel(fastmath=True)
     def flash_backward_dq_wgmma(q, k, v, do, lse2, delta, dq, qk_scale_log2, scale, causal):
@@ -993,6 +1018,7 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
         t = lane % 4
         row0 = q_start + 16 * (tid // 32)  # the warp's first query
         smem = cuda.shared.array(0, numba.uint16, alignment=SMEM_ALIGN)
+        smem32 = cuda.shared.array(0, numba.uint32, alignment=SMEM_ALIGN)  # (staged_out: 32-bit pairs)
 
         S = cuda.local.array((N_TILES, 4), numba.float32)  # S, then P
         dP = cuda.local.array((N_TILES, 4), numba.float32)  # dP, then dS
@@ -1093,12 +1119,20 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
 
         # dQ_i · scale, written once.  A row that sees no key keeps dQ_i = 0.
         sc = numba.float32(scale)
-        for r in range(2):
-            row = row0 + g + 8 * r
-            if row < seqlen_q:
-                for n in range(D_TILES):
-                    if c0 + 8 * n < D:
-                        store_pair(dq, b, h, row, c0 + 8 * n + 2 * t, dQ[n, 2 * r] * sc, dQ[n, 2 * r + 1] * sc)
+        if STAGED_OUT:
+            # Staged over the Q_i, dO_i tiles (each warp its 16 rows), free once every warpgroup's products are
+            # done and every copy has landed: the block meets first.
+            cuda.syncthreads()
+            stage_rows(smem32, u32((16 * (tid // 32) + g) * (OUT_PITCH // 2) + t), dQ, sc)
+            syncwarp()  # the warp's pairs are in place before its lanes read other lanes' chunks
+            write_rows(smem, u32(16 * (tid // 32) * OUT_PITCH), dq, b, h, row0, seqlen_q, c0, lane)
+        else:  # two 16-bit stores per pair, straight from the accumulators
+            for r in range(2):
+                row = row0 + g + 8 * r
+                if row < seqlen_q:
+                    for n in range(D_TILES):
+                        if c0 + 8 * n < D:
+                            store_pair(dq, b, h, row, c0 + 8 * n + 2 * t, dQ[n, 2 * r] * sc, dQ[n, 2 * r + 1] * sc)
 
     return flash_backward_dq_wgmma
 
@@ -1201,11 +1235,11 @@ def can_implement(cfg: WGBackwardConfig, *arrays, atomic: bool = False) -> tuple
     limit = max_shared_per_block()
     if need > limit:
         return False, f"needs {need} bytes of shared memory per block, the device allows {limit}"
-    # do, q, k, v are copied by cp.async; o (read by the SIMT preprocess) and dq by plain accesses; dk and dv
-    # too, or with ``staged_out`` in 16-byte chunks (the dK/dV kernel's last step)
+    # do, q, k, v are copied by cp.async; o (read by the SIMT preprocess) and the gradients by plain accesses,
+    # or with ``staged_out`` in 16-byte chunks (the kernels' last step)
     why = tile_rows_problem(cfg.head_dim, ("do", "q", "k", "v", "o", "dq", "dk", "dv"), arrays, copied=4)
     if not why and cfg.staged_out:
-        why = next(filter(None, (chunked_rows_problem(name, a, 2) for name, a in zip(("dk", "dv"), arrays[6:8],
+        why = next(filter(None, (chunked_rows_problem(name, a, 2) for name, a in zip(("dq", "dk", "dv"), arrays[5:8],
                                                                                     strict=False))), "")
     if not why and cfg.dkdv_ws:  # the dK/dV kernel copies them by TMA: strides of whole 16-byte units
         why = next(filter(None, (T.stride_problem(name, a) for name, a in zip(("do", "q", "k", "v"), arrays,
@@ -1320,8 +1354,8 @@ def compile_targets():
     """``(name, cfg, kernel, signature, fastmath)`` for the GPU configurations (the PTX check, sm_90a): the defaults
     in bfloat16 at every head dim and in float16 at D = 128 (the kinds differ only in the wgmma's input type and
     the packing of P and dS; the simulator runs both everywhere), in bfloat16 at D = 64 and 128 the
-    configurations without TMA (:func:`config_for`'s fallback), and the defaults' dK/dV kernels with
-    ``staged_out`` at D = 64 and 128."""
+    configurations without TMA (:func:`config_for`'s fallback), and with ``staged_out`` the defaults' atomic
+    dK/dV kernels at D = 64 and 128 and the dQ kernel at D = 128."""
     rows = []
     cfgs = [choose_config(d, kind, simulator=False) for d in (40, 64, 96, 128, 256) for kind in ("float16", "bfloat16")
             if kind == "bfloat16" or d == 128]
@@ -1332,8 +1366,9 @@ def compile_targets():
             rows.append(("flash_backward_dkdv_wgmma_atomic", cfg, dkdv_wgmma_kernel(cfg, True),
                          kernel_signature(cfg, "dkdv_atomic"), True))
         rows.append(("flash_backward_dq_wgmma", cfg, dq_wgmma_kernel(cfg), kernel_signature(cfg, "dq"), True))
-    for d in (64, 128):  # the defaults' dK/dV kernels with ``staged_out`` (the dQ kernel has no such step)
+    for d in (64, 128):  # the defaults with ``staged_out``: the atomic dK/dV kernel, and at D = 128 the dQ kernel
         cfg = dataclasses.replace(choose_config(d, "bfloat16", simulator=False), staged_out=True)
         rows.append(("flash_backward_dkdv_wgmma_atomic", cfg, dkdv_wgmma_kernel(cfg, True),
                      kernel_signature(cfg, "dkdv_atomic"), True))
+    rows.append(("flash_backward_dq_wgmma", cfg, dq_wgmma_kernel(cfg), kernel_signature(cfg, "dq"), True))
     return rows

@@ -195,12 +195,13 @@ def test_atomic_route_needs_64_query_tiles():
                                     deterministic=False)
 
 
-# ``staged_out``: dK, dV staged over the K_j, V_j tiles and written in 16-byte chunks.  (kind, causal, seqlen_q,
-# seqlen_k, head dim, block_m, block_n, d_slice, ws, deterministic, layout)
+# ``staged_out``: dK, dV staged over the K_j, V_j tiles (dQ over Q_i, dO_i) and written in 16-byte chunks.  (kind,
+# causal, seqlen_q, seqlen_k, head dim, block_m, block_n, d_slice, ws, deterministic, layout)
 STAGED_CASES = [
     # ws, atomic dQ by bulk reductions, two warpgroups: one block of 70 keys, the rows past the end not written
     ("bfloat16", True, 150, 70, 64, 128, 64, 0, True, False, "bshd"),
-    ("float16", False, 37, 37, 40, 64, 16, 0, False, True, "bhsd"),  # D padded to a panel: 5 chunks of 8 per row
+    # D padded to a panel: 5 chunks of 8 per row; causal, more queries: rows that see no key get dQ = 0
+    ("float16", True, 45, 37, 40, 64, 16, 0, False, True, "bhsd"),
     ("bfloat16", True, 20, 33, 96, 64, 16, 0, True, True, "bhsd"),  # ws, dQ by its own kernel; 12-chunk rows
     ("float16", False, 20, 33, 136, 64, 16, 128, False, True, "bhsd"),  # slices: the second one a single chunk
 ]
@@ -209,10 +210,10 @@ STAGED_CASES = [
 @hopper
 @pytest.mark.parametrize("kind,causal,n_q,n_k,d,block_m,block_n,d_slice,ws,det,layout", STAGED_CASES)
 def test_backward_wgmma_staged_out(xp, rng, kind, causal, n_q, n_k, d, block_m, block_n, d_slice, ws, det, layout):
-    """The dK/dV kernel's last step through shared memory: the consumers meet, each warp packs its 16 keys' rows
-    of dK · scale, then dV, over the K_j, V_j tiles and writes whole 16-byte chunks of them — of its slice's
-    columns, skipping head-dim padding and keys past the end.  (Outputs are poisoned first, so a chunk left
-    unwritten fails too.)"""
+    """Both kernels' last step through shared memory: the dK/dV kernel's consumers meet, each warp packs its 16
+    keys' rows of dK · scale, then dV, over the K_j, V_j tiles and writes whole 16-byte chunks of them — of its
+    slice's columns, skipping head-dim padding and keys past the end; the dQ kernel (``det``) the same with dQ
+    over Q_i, dO_i.  (Outputs are poisoned first, so a chunk left unwritten fails too.)"""
     cfg = B.WGBackwardConfig(block_m, block_n, d, kind, d_slice=d_slice, dkdv_ws=ws, bulk_dq=not det,
                              staged_out=True)
     got, values, scale = run_backward(xp, rng, n_q, n_k, d, kind, causal, det, layout=layout, heads=1, cfg=cfg,
@@ -222,16 +223,16 @@ def test_backward_wgmma_staged_out(xp, rng, kind, causal, n_q, n_k, d, block_m, 
 
 @hopper
 def test_staged_gradients_need_rows_of_whole_chunks(xp):
-    """With ``staged_out`` the dK/dV kernel writes dk and dv in 16-byte chunks of rows: gradients whose rows are
-    not 16-byte aligned are refused by name, before any launch (without it, any rows are written)."""
+    """With ``staged_out`` the kernels write dq, dk and dv in 16-byte chunks of rows: gradients whose rows are not
+    16-byte aligned are refused by name, before any launch (without it, any rows are written)."""
     cfg = B.WGBackwardConfig(64, 16, 64, "float16", staged_out=True)
     x = xp.zeros((1, 1, 16, 64), xp.float16)
     odd = xp.zeros((1, 1, 16, 68), xp.float16)[..., :64]  # rows 136 bytes apart
     assert B.can_implement(cfg, x, x, x, x, x, x, x, x) == (True, "")
-    for name, args in (("dk", (odd, x)), ("dv", (x, odd))):
-        ok, why = B.can_implement(cfg, x, x, x, x, x, x, *args)
+    for name, args in (("dq", (odd, x, x)), ("dk", (x, odd, x)), ("dv", (x, x, odd))):
+        ok, why = B.can_implement(cfg, x, x, x, x, x, *args)
         assert not ok and why.startswith(name) and "16 bytes" in why
-        assert B.can_implement(dataclasses.replace(cfg, staged_out=False), x, x, x, x, x, x, *args) == (True, "")
+        assert B.can_implement(dataclasses.replace(cfg, staged_out=False), x, x, x, x, x, *args) == (True, "")
 
 
 @hopper
