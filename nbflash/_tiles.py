@@ -379,7 +379,7 @@ def make_padded_offset(pitch: int):
     return device_function(padded_offset)
 
 
-def make_tc_tile_storer(rows: int, lanes: int, head_dim: int, src_offset):
+def make_tc_tile_storer(rows: int, lanes: int, head_dim: int, src_offset, slice_cols: int = 0):
     """``store(smem, offset, dst, b, h, start, seqlen, lane)``: rows ``[start, start + rows)`` of ``dst[b, h]``
     (16-bit elements) from a shared tile, by ``lanes`` lanes of one warp — the reverse of
     :func:`make_tc_tile_copier`, for an output tile staged in shared memory.
@@ -395,24 +395,31 @@ def make_tc_tile_storer(rows: int, lanes: int, head_dim: int, src_offset):
     chunks + it · lanes / chunks``, from one global address plus row strides.
     ``dst`` must have its rows contiguous along D and 16-byte aligned (the
     tensor-core kernels' :func:`~nbflash._validate.tile_rows_problem` rule).
+
+    With ``slice_cols`` the tile is one slice of a wider ``dst`` (a block's
+    share of the head dim): ``store(..., lane, col0)`` writes its
+    ``slice_cols / 8`` chunks to columns ``col0 ...`` (a run-time multiple of
+    8), skipping those at or past ``head_dim`` (a last slice partly padding).
     """
-    DATA = head_dim // 8  # chunks that hold data
+    SLICED = slice_cols > 0
+    DATA = (slice_cols if SLICED else head_dim) // 8  # chunks of a tile row that may hold data
     ITERS = -(-rows * DATA // lanes)
     EXACT = rows * DATA % lanes == 0
     SAME_CHUNK = lanes % DATA == 0
     u64, i64 = numba.uint64, numba.int64
-    U_DATA, U_LANES, U_TOTAL = (np.uint64(x) for x in (DATA, lanes, rows * DATA))
+    U_DATA, U_LANES, U_TOTAL, U_D = (np.uint64(x) for x in (DATA, lanes, rows * DATA, head_dim))
     U_ROW_STEP, I_ROW_STEP = np.uint64(lanes // DATA), np.int64(lanes // DATA)
 
-    def store_tile(smem, offset, dst, b, h, start, seqlen, lane):
+    def store_slice(smem, offset, dst, b, h, start, seqlen, lane, col0):
         if SAME_CHUNK:
             r0 = u64(lane) // U_DATA
             chunk = u64(lane) % U_DATA
-            address = I.global_address(dst, (b, h, u64(start) + r0, chunk * u64(8)))
+            col = u64(col0) + chunk * u64(8)
+            address = I.global_address(dst, (b, h, u64(start) + r0, col))
             step = i64(dst.strides[2]) * I_ROW_STEP  # bytes from one of the lane's rows to its next
             for it in range(ITERS):
                 r = r0 + u64(it) * U_ROW_STEP
-                if (EXACT or r < u64(rows)) and u64(start) + r < u64(seqlen):
+                if (EXACT or r < u64(rows)) and u64(start) + r < u64(seqlen) and (not SLICED or col < U_D):
                     w0, w1, w2, w3 = I.ld_shared_v4_b32(smem, src_offset(offset, r, chunk))
                     I.st_global_v4_b32(address, w0, w1, w2, w3)
                 address += step
@@ -421,9 +428,17 @@ def make_tc_tile_storer(rows: int, lanes: int, head_dim: int, src_offset):
                 c = u64(lane) + u64(it) * U_LANES
                 r = c // U_DATA
                 chunk = c % U_DATA
-                if (EXACT or c < U_TOTAL) and u64(start) + r < u64(seqlen):
+                col = u64(col0) + chunk * u64(8)
+                if (EXACT or c < U_TOTAL) and u64(start) + r < u64(seqlen) and (not SLICED or col < U_D):
                     w0, w1, w2, w3 = I.ld_shared_v4_b32(smem, src_offset(offset, r, chunk))
-                    I.st_global_v4_b32(I.global_address(dst, (b, h, u64(start) + r, chunk * u64(8))), w0, w1, w2, w3)
+                    I.st_global_v4_b32(I.global_address(dst, (b, h, u64(start) + r, col)), w0, w1, w2, w3)
+
+    store = device_function(store_slice)
+    if SLICED:
+        return store
+
+    def store_tile(smem, offset, dst, b, h, start, seqlen, lane):
+        store(smem, offset, dst, b, h, start, seqlen, lane, 0)
 
     return device_function(store_tile)
 

@@ -226,7 +226,7 @@ from ._device import (
     syncwarp,
     warp_uniform,
 )
-from ._tiles import LOG2E, HeadDimSlices
+from ._tiles import LOG2E, HeadDimSlices, make_padded_offset, make_tc_tile_storer
 from ._validate import array_module, chunked_rows_problem, tile_rows_problem
 from .backward_tc import _make_pair_storer
 from .forward_tc import fragment_steps
@@ -302,7 +302,7 @@ class WGBackwardConfig(HeadDimSlices):
     #: while dK's still runs, and dK's left running into the next tile (waited for with its Sᵀ; the stage goes
     #: back then).  dV is waited for before the dQ product (its A registers then free for dS's)
     dk_last: bool = False
-    #: both kernels' last step through shared memory (:func:`staged_rows`): each warp stages its rows of dK_j ·
+    #: both kernels' last step through shared memory (:func:`staged_row_writer`): each warp stages its rows of dK_j ·
     #: scale, then of dV_j, over the K_j, V_j tiles (dQ_i · scale over Q_i, dO_i) and writes them in whole
     #: 16-byte chunks, instead of two 16-bit stores per pair from the accumulators (in the dK/dV kernel 13 µs a
     #: block at D = 128 on the H100, a quarter of the block at N = 1k).  Correct in the simulator and compiled
@@ -480,46 +480,37 @@ class _Consts:
 
 
 @functools.cache
-def staged_rows(cfg: WGBackwardConfig):
-    """``(stage_rows, write_rows, OUT_PITCH)``: both kernels' last step with ``staged_out`` — a gradient tile of
-    the block's rows (keys in dK/dV, queries in dQ) × its slice's columns written through shared memory.
+def staged_row_writer(cfg: WGBackwardConfig):
+    """``write(smem, smem32, warp, g, t, lane, acc, sc, dst, b, h, row_first, seqlen, c0)``: both kernels' last
+    step with ``staged_out`` — a warp's 16 rows of a gradient (keys in dK/dV, queries in dQ) × the block's slice
+    of columns, written through shared memory.
 
-    ``stage_rows(smem32, word, acc, sc)``: a thread's accumulator pairs ``acc · sc`` (rows g, g + 8 of its warp's
-    16; columns 8n + 2t, + 1 of the slice) packed to 16 bits, from 32-bit word ``word`` of the warp's staged rows
-    (its row g, pair t).  Rows are ``OUT_PITCH`` = slice + 8 elements apart: 16 bytes more than the data, so the
-    32 lanes' words fall in 32 banks and every row starts 16-byte aligned.  A block stages ``BLOCK_M`` rows, over
-    its two once-copied tiles (``2 · BLOCK_M · D_SMEM`` elements from 0).
-
-    ``write_rows(smem, offset, dst, b, h, row_first, seqlen, c0, lane)``: the warp's 16 staged rows (from 16-bit
-    element ``offset``) to rows ``row_first ...`` of ``dst[b, h]``, columns ``c0 ...``: one ``ld.shared.v4`` and
-    one ``st.global.v4`` per 16-byte chunk, consecutive lanes on consecutive chunks of a row (whole 32-byte
-    sectors); rows past ``seqlen`` and chunks of head-dim padding (D is a multiple of 8: a chunk is data or
-    padding) skipped.  ``dst`` needs rows of whole, aligned 16-byte chunks (:func:`can_implement`).
+    The thread's accumulator pairs ``acc · sc`` (rows g, g + 8 of the warp's 16; columns 8n + 2t, + 1 of the
+    slice) are packed to 16 bits into the warp's staged rows, ``16 · warp`` on of the block's ``BLOCK_M``, over
+    its two once-copied tiles (``2 · BLOCK_M · D_SMEM`` elements from 0).  Rows are the slice plus 8 elements
+    apart: 16 bytes more than the data, so the 32 lanes' words fall in 32 banks and every row starts 16-byte
+    aligned.  Then the warp writes its rows to rows ``row_first ...`` of ``dst[b, h]``, columns ``c0 ...``, by
+    :func:`~nbflash._tiles.make_tc_tile_storer` (whole 16-byte chunks; rows past ``seqlen`` and head-dim
+    padding skipped; ``dst``'s rows whole, aligned chunks: :func:`can_implement`).  The caller frees the staging
+    first (its barrier), and meets its warp (``syncwarp``) before staging again.
     """
-    D, SLICE, D_TILES = cfg.head_dim, cfg.slice_cols, cfg.slice_cols // 8
-    OUT_PITCH, OUT_CHUNKS = SLICE + 8, SLICE // 8
-    assert OUT_PITCH <= 2 * cfg.d_smem and OUT_CHUNKS % 2 == 0
+    SLICE = cfg.slice_cols
+    D_TILES, OUT_PITCH = SLICE // 8, SLICE + 8
+    assert OUT_PITCH <= 2 * cfg.d_smem
     pack = I.pack_f16x2 if cfg.input_kind == "float16" else I.pack_bf16x2  # the first value in the low half
+    store = make_tc_tile_storer(16, 32, cfg.head_dim, make_padded_offset(OUT_PITCH), slice_cols=SLICE)
     u32 = numba.uint32
 
     @device_function
-    def stage_rows(smem32, word, acc, sc):
+    def write(smem, smem32, warp, g, t, lane, acc, sc, dst, b, h, row_first, seqlen, c0):
+        word = u32((16 * warp + g) * (OUT_PITCH // 2) + t)  # the thread's row g, pair t (32-bit words)
         for r in range(2):
             for n in range(D_TILES):
                 smem32[word + u32(r * 4 * OUT_PITCH + 4 * n)] = pack(acc[n, 2 * r] * sc, acc[n, 2 * r + 1] * sc)
+        syncwarp()  # the warp's pairs are in place before its lanes read other lanes' chunks
+        store(smem, u32(16 * warp * OUT_PITCH), dst, b, h, row_first, seqlen, lane, c0)
 
-    @device_function
-    def write_rows(smem, offset, dst, b, h, row_first, seqlen, c0, lane):
-        for it in range(OUT_CHUNKS // 2):  # 16 rows × OUT_CHUNKS chunks, over 32 lanes
-            c = u32(lane) + u32(32 * it)
-            r = c // u32(OUT_CHUNKS)
-            chunk = c % u32(OUT_CHUNKS)
-            col = c0 + 8 * chunk
-            if row_first + r < seqlen and col < D:
-                w0, w1, w2, w3 = I.ld_shared_v4_b32(smem, offset + r * u32(OUT_PITCH) + u32(8) * chunk)
-                I.st_global_v4_b32(I.global_address(dst, (b, h, row_first + r, col)), w0, w1, w2, w3)
-
-    return stage_rows, write_rows, OUT_PITCH
+    return write
 
 
 @functools.cache
@@ -593,7 +584,7 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
     STREAM_BYTES = 2 * BLOCK_N * D_SMEM * 2 + 2 * COL_BUF * 2  # Q_i, dO_i, and the box of lse2_i and D_i
     # The last step (``staged_out``): dK_j, dV_j staged one at a time over the K_j, V_j tiles.
     STAGED_OUT = cfg.staged_out
-    stage_rows, write_rows, OUT_PITCH = staged_rows(cfg)
+    write_staged = staged_row_writer(cfg)
     OUT_READY = DS_READY + 1  # ws: "every consumer's products are done" (consumers only)
 
     @device_function
@@ -955,15 +946,9 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
                 HW.named_barrier_sync(OUT_READY, CONSUMERS)
             else:
                 cuda.syncthreads()
-            out_word = u32((16 * (tid // 32) + g) * (OUT_PITCH // 2) + t)  # row g of the warp's rows, pair t
-            out_rows = u32(16 * (tid // 32) * OUT_PITCH)  # the warp's first staged row (16-bit elements)
-            stage_rows(smem32, out_word, dK, sc)
-            syncwarp()  # the warp's pairs are in place before its lanes read other lanes' chunks
-            write_rows(smem, out_rows, dk, b, h, key0, seqlen_k, c0, lane)
+            write_staged(smem, smem32, tid // 32, g, t, lane, dK, sc, dk, b, h, key0, seqlen_k, c0)
             syncwarp()  # every lane has read its chunks before the rows are overwritten
-            stage_rows(smem32, out_word, dV, numba.float32(1))
-            syncwarp()
-            write_rows(smem, out_rows, dv, b, h, key0, seqlen_k, c0, lane)
+            write_staged(smem, smem32, tid // 32, g, t, lane, dV, numba.float32(1), dv, b, h, key0, seqlen_k, c0)
             if BULK_DQ and lane == 0:
                 # The last reductions' reads of dQ's staging (a region of its own) ran under the stores; the
                 # block's shared memory may go once they are done.
@@ -1001,7 +986,7 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
     load_stream = swizzled_tile_loader(BLOCK_N, THREADS, D, D_SMEM)
     block_tile = cfg.block_tile(BLOCK_M, last_first=True)
     STAGED_OUT = cfg.staged_out  # the last step: dQ_i staged over the Q_i, dO_i tiles
-    stage_rows, write_rows, OUT_PITCH = staged_rows(cfg)
+    write_staged = staged_row_writer(cfg)
 
     @kernel(fastmath=True)
     def flash_backward_dq_wgmma(q, k, v, do, lse2, delta, dq, qk_scale_log2, scale, causal):
@@ -1123,9 +1108,7 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
             # Staged over the Q_i, dO_i tiles (each warp its 16 rows), free once every warpgroup's products are
             # done and every copy has landed: the block meets first.
             cuda.syncthreads()
-            stage_rows(smem32, u32((16 * (tid // 32) + g) * (OUT_PITCH // 2) + t), dQ, sc)
-            syncwarp()  # the warp's pairs are in place before its lanes read other lanes' chunks
-            write_rows(smem, u32(16 * (tid // 32) * OUT_PITCH), dq, b, h, row0, seqlen_q, c0, lane)
+            write_staged(smem, smem32, tid // 32, g, t, lane, dQ, sc, dq, b, h, row0, seqlen_q, c0)
         else:  # two 16-bit stores per pair, straight from the accumulators
             for r in range(2):
                 row = row0 + g + 8 * r

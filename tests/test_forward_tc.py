@@ -286,6 +286,42 @@ def test_tc_tile_storer_whole_and_ragged_tiles(xp, rng, head_dim, chunks, rows, 
     np.testing.assert_array_equal(_host(dst), want)
 
 
+@functools.cache
+def slice_storer_kernel(rows, head_dim, slice_cols, pitch):
+    """As :func:`storer_kernel`, the tile being a slice of ``slice_cols`` columns written from column ``col0``."""
+    store = make_tc_tile_storer(rows, 32, head_dim, make_padded_offset(pitch), slice_cols=slice_cols)
+    size = rows * pitch
+
+    @kernel
+    def store_tile(tile, dst, b, h, start, col0):
+        lane = cuda.threadIdx.x
+        smem = cuda.shared.array(size, numba.uint16, alignment=SMEM_ALIGN)  # 16-byte aligned rows
+        for e in range(lane, size, 32):
+            smem[e] = tile[e // pitch, e % pitch]
+        syncwarp()  # every lane's part of the tile is visible to the warp
+        store(smem, 0, dst, b, h, start, dst.shape[2], lane, col0)
+
+    return store_tile
+
+
+@pytest.mark.parametrize("head_dim,slice_cols,col0", [(256, 128, 128), (136, 128, 128), (136, 128, 0), (40, 64, 0)])
+def test_tc_tile_storer_slices(xp, rng, head_dim, slice_cols, col0):
+    """``slice_cols``: the tile is a block's slice of the head dim, written from column ``col0``; chunks at or past
+    the head dim (a last slice that is one chunk of data, a head dim padded to a panel) are skipped, and the
+    other slices' columns stay untouched."""
+    rows, start, seqlen = 16, 16, 29  # a ragged tile: 13 rows written
+    pitch = slice_cols + 8
+    tile = rng.integers(0, 2**16, size=(rows, pitch), dtype=np.uint16)
+    poison = np.uint16(0xAAAA)
+    dst = xp.full((2, seqlen, 3, head_dim), poison, dtype=np.uint16)  # (batch, seq, head, dim)
+    launch_kernel(slice_storer_kernel(rows, head_dim, slice_cols, pitch), 1, 32, 0, 0, xp.asarray(tile),
+                  dst.transpose(0, 2, 1, 3), 1, 2, start, col0)
+    want = np.full((2, seqlen, 3, head_dim), poison, dtype=np.uint16)
+    cols = min(slice_cols, head_dim - col0)
+    want[1, start:seqlen, 2, col0 : col0 + cols] = tile[: seqlen - start, :cols]
+    np.testing.assert_array_equal(_host(dst), want)
+
+
 def test_split_pipeline_shared_memory():
     """One K and one V buffer instead of two each: FlashAttention-2's 128 x 64 tiles need 68 KB at D = 128
     (102 KB double buffered) and 36 KB at D = 64 (54 KB)."""
