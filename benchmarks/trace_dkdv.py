@@ -26,6 +26,7 @@ Rows go to ``<out>/trace-<D>-<N>-<causal>.npy``, the summary to ``<out>/trace-dk
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import json
 import os
@@ -91,8 +92,9 @@ def summarize(t: np.ndarray) -> dict:
     }
 
 
-def trace(out: str) -> None:
-    """Run and trace every shape on the GPU (a tree with ``trace_dkdv.diff`` applied)."""
+def trace(out: str, staged: bool = False) -> None:
+    """Run and trace every shape on the GPU (a tree with ``trace_dkdv.diff`` applied); ``staged``: the default
+    configuration with ``staged_out`` on."""
     import cupy as cp
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -111,6 +113,8 @@ def trace(out: str) -> None:
                                .astype(cp.uint16) for _ in range(4))
                 o, lse = api.forward_arrays(q, k, v, causal=causal, bf16_bits=True, backend="wgmma")
                 cfg = W.config_for(d, "bfloat16", do, q, k, v, o, causal)
+                if staged:
+                    cfg = dataclasses.replace(cfg, staged_out=True)
                 dq, dk, dv = cp.empty_like(q), cp.empty_like(k), cp.empty_like(v)
                 for _ in range(5):
                     W.launch_backward_wgmma(cfg, do, q, k, v, o, lse, dq, dk, dv, d**-0.5, causal, empty=cp.zeros,
@@ -124,12 +128,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="trace on the GPU, then summarise: rows and summary go here")
     ap.add_argument("--summarize", help="only summarise the rows saved here")
+    ap.add_argument("--staged", action="store_true", help="trace the default configurations with staged_out on")
     args = ap.parse_args()
     where = args.summarize or args.out
     if not where:
         ap.error("give --out (trace) or --summarize (rows already saved)")
     if args.out:
-        trace(args.out)
+        trace(args.out, args.staged)
     summary = {}
     for path in sorted(glob.glob(os.path.join(where, "trace-*-*-*.npy"))):
         d, n, causal = map(int, re.findall(r"trace-(\d+)-(\d+)-(\d)\.npy", path)[0])
