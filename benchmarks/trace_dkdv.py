@@ -10,23 +10,26 @@ intrinsics the patch adds to ``nbflash.intrinsics``)::
     python benchmarks/trace_dkdv.py --out OUT          # on an sm_90 GPU: trace, save the rows, summarise
     python benchmarks/trace_dkdv.py --summarize OUT    # the summary again from the saved rows (no GPU)
 
-(The rows of ``trace-dkdv-H100-2026-12-06-s32.json`` came from the patch's first form, on 5ccb99e, which had no
-stamp between the wait for the last dQ reduction and the stores: ``reduction_wait_us`` and ``stores_us`` are
-``null`` there.)
+Column 13 (``stores_start``) has moved with the kernel.  In ``trace-dkdv-H100-2026-12-06-s32.json`` (the patch's
+first form, on 5ccb99e) it was not stamped: that summary's ``reduction_wait_us`` and ``stores_us`` are ``null``.
+In ``trace-dkdv-H100-2026-12-06-s33.json``, ``default`` (2af8c43, the last step still two 16-bit stores per pair)
+stamped it after the wait for the last dQ reduction's read, so ``before_stores_us`` holds that wait;
+``staged`` (2af8c43 with ``staged_out``, now the kernel's only last step) and this tree stamp it before the
+consumers' barrier, so ``before_stores_us`` holds only the waits for the last products, and ``stores_us`` the
+barrier, the staged stores and, after them, the wait for the reduction's read.
 
 For D = 128 and 64, bf16, N = 1k and 4k, causal and not, at batch·N = 16k, heads·D = 2048: the backward's
 default configuration for the shape (atomic dQ where it takes it), run five times, the last one traced.  Per
 shape (medians over the blocks, µs at the clock the stamps imply): the wait for K_j, V_j and for the first query
 tile, the first tile, a steady tile, the last tile, the last step (dK, dV written; from the loop's end to thread
-0's last store), split into the wait for the last dQ reduction's read and the stores, and the gap between one
-block's end and the next block's start on the same multiprocessor.
+0's last store, and after it the wait for the last dQ reduction's read), split at column 13, and the gap between
+one block's end and the next block's start on the same multiprocessor.
 Rows go to ``<out>/trace-<D>-<N>-<causal>.npy``, the summary to ``<out>/trace-dkdv-summary.json``.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import glob
 import json
 import os
@@ -50,7 +53,7 @@ COLUMNS = {
     "start": 10,  # %clock64 at the block's start
     "end_ns": 11,  # %globaltimer after its last store
     "wg1_stores_end": 12,  # thread 128 (warpgroup 1) after its last store
-    "stores_start": 13,  # after its wait for the last bulk dQ reduction's read (staged_out: before that wait)
+    "stores_start": 13,  # before the last step's barrier (the docstring has where older trees stamped it)
 }
 
 
@@ -83,7 +86,7 @@ def summarize(t: np.ndarray) -> dict:
         "steady_tile_us": us(steady),
         "last_tile_us": us(col["loop_end"] - col["last_tile_start"]),
         "last_step_us": us(col["stores_end"] - col["loop_end"]),
-        "reduction_wait_us": us(col["stores_start"] - col["loop_end"]) if stamped else None,
+        "before_stores_us": us(col["stores_start"] - col["loop_end"]) if stamped else None,
         "stores_us": us(col["stores_end"] - col["stores_start"]) if stamped else None,
         "wg1_stores_after_wg0_us": us(col["wg1_stores_end"] - col["stores_end"]),
         "producer_done_us": us(col["producer_issued"] - col["start"]),
@@ -92,9 +95,8 @@ def summarize(t: np.ndarray) -> dict:
     }
 
 
-def trace(out: str, staged: bool = False) -> None:
-    """Run and trace every shape on the GPU (a tree with ``trace_dkdv.diff`` applied); ``staged``: the default
-    configuration with ``staged_out`` on."""
+def trace(out: str) -> None:
+    """Run and trace every shape on the GPU (a tree with ``trace_dkdv.diff`` applied)."""
     import cupy as cp
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -113,8 +115,6 @@ def trace(out: str, staged: bool = False) -> None:
                                .astype(cp.uint16) for _ in range(4))
                 o, lse = api.forward_arrays(q, k, v, causal=causal, bf16_bits=True, backend="wgmma")
                 cfg = W.config_for(d, "bfloat16", do, q, k, v, o, causal)
-                if staged:
-                    cfg = dataclasses.replace(cfg, staged_out=True)
                 dq, dk, dv = cp.empty_like(q), cp.empty_like(k), cp.empty_like(v)
                 for _ in range(5):
                     W.launch_backward_wgmma(cfg, do, q, k, v, o, lse, dq, dk, dv, d**-0.5, causal, empty=cp.zeros,
@@ -128,13 +128,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="trace on the GPU, then summarise: rows and summary go here")
     ap.add_argument("--summarize", help="only summarise the rows saved here")
-    ap.add_argument("--staged", action="store_true", help="trace the default configurations with staged_out on")
     args = ap.parse_args()
     where = args.summarize or args.out
     if not where:
         ap.error("give --out (trace) or --summarize (rows already saved)")
     if args.out:
-        trace(args.out, args.staged)
+        trace(args.out)
     summary = {}
     for path in sorted(glob.glob(os.path.join(where, "trace-*-*-*.npy"))):
         d, n, causal = map(int, re.findall(r"trace-(\d+)-(\d+)-(\d)\.npy", path)[0])

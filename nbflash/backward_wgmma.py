@@ -58,15 +58,15 @@ With ``P_ij = exp(S_ij·scale − lse_i)`` recomputed tile by tile::
        tensor cores:   [ Sᵀ ][ dPᵀ ]        [ dV ]        [ dK ]
        its threads:    lse2,D | Pᵀ ......  | dSᵀ ...... |        | barrier
 
-   Finally ``dK_j · scale`` and ``dV_j`` are written once: two 16-bit stores
-   per pair straight from the accumulators, which took 13 µs a block at D =
-   128 (4.5 at D = 64), a quarter of a block's time at N = 1k (per-block
-   ``%clock64`` stamps, H100, 2026-12-06; with the wait for the last dQ
-   reduction's read before them).  With ``staged_out`` (not yet timed, so
-   off) they go through shared memory instead: the consumers meet (every
-   product that reads K_j, V_j is done), each warp packs its 16 keys' rows to
-   16 bits over the K_j, V_j tiles and writes them in whole 16-byte chunks,
-   one tensor after the other, and waits for that read only then.
+   Finally ``dK_j · scale`` and ``dV_j`` are written once, through shared
+   memory: the consumers meet (every product that reads K_j, V_j is done),
+   each warp packs its 16 keys' rows to 16 bits over the K_j, V_j tiles and
+   writes them in whole 16-byte chunks, one tensor after the other, and only
+   then waits for its last dQ reduction's read (:func:`staged_row_writer`).
+   Per-block ``%clock64`` stamps (H100, 2026-12-06) put this step at 2.0 µs
+   a block at D = 128 and 1.1 at D = 64; two 16-bit stores per pair straight
+   from the accumulators, as before, took 14 and 4.8 µs, a quarter of a
+   block's time at N = 1k.
 
    **Warp specialisation** (``dkdv_ws``, the GPU default up to D = 128): the
    block gets one more warpgroup, a *producer* that only copies, and the
@@ -149,8 +149,7 @@ With ``P_ij = exp(S_ij·scale − lse_i)`` recomputed tile by tile::
    :func:`~nbflash.forward_tc.fragment_steps`) while dP runs, ``dS = P ∘ (dP −
    D_row)``, ``dQ_i += dS K_j`` (registers × shared, K_j N-major; with
    ``dq_stages=3`` left running under the next tile's barrier, as in 1d).
-   ``dQ_i · scale`` written once (with ``staged_out`` through shared memory,
-   as in step 1).  No atomics: the same bits on every run.
+   ``dQ_i · scale`` written once, through shared memory as in step 1.  No atomics: the same bits on every run.
 
 2'. **Convert** (atomic route): ``dq = accumulator · scale`` by the SIMT
    kernel of :mod:`nbflash.backward` (with ``bulk_dq``: by
@@ -203,7 +202,6 @@ wait for the slower one's dSᵀ) and the early wait at D = 128.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -228,7 +226,6 @@ from ._device import (
 )
 from ._tiles import LOG2E, HeadDimSlices, make_padded_offset, make_tc_tile_storer
 from ._validate import array_module, chunked_rows_problem, tile_rows_problem
-from .backward_tc import _make_pair_storer
 from .forward_tc import fragment_steps
 from .forward_wgmma import PANEL, REGISTERS, no_maps, rs_product, ss_product, supported_device, swizzled_tile_loader
 from .masking import d_key_range, d_query_range, d_row_key_end, d_tile_needs_mask
@@ -302,13 +299,6 @@ class WGBackwardConfig(HeadDimSlices):
     #: while dK's still runs, and dK's left running into the next tile (waited for with its Sᵀ; the stage goes
     #: back then).  dV is waited for before the dQ product (its A registers then free for dS's)
     dk_last: bool = False
-    #: both kernels' last step through shared memory (:func:`staged_row_writer`): each warp stages its rows of dK_j ·
-    #: scale, then of dV_j, over the K_j, V_j tiles (dQ_i · scale over Q_i, dO_i) and writes them in whole
-    #: 16-byte chunks, instead of two 16-bit stores per pair from the accumulators (in the dK/dV kernel 13 µs a
-    #: block at D = 128 on the H100, a quarter of the block at N = 1k).  Correct in the simulator and compiled
-    #: for sm_90a without spills; off until it is timed on the GPU.  dq, dk and dv must then have rows of
-    #: whole, aligned 16-byte chunks (:func:`can_implement`)
-    staged_out: bool = False
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -482,7 +472,7 @@ class _Consts:
 @functools.cache
 def staged_row_writer(cfg: WGBackwardConfig):
     """``write(smem, smem32, warp, g, t, lane, acc, sc, dst, b, h, row_first, seqlen, c0)``: both kernels' last
-    step with ``staged_out`` — a warp's 16 rows of a gradient (keys in dK/dV, queries in dQ) × the block's slice
+    step — a warp's 16 rows of a gradient (keys in dK/dV, queries in dQ) × the block's slice
     of columns, written through shared memory.
 
     The thread's accumulator pairs ``acc · sc`` (rows g, g + 8 of the warp's 16; columns 8n + 2t, + 1 of the
@@ -493,6 +483,11 @@ def staged_row_writer(cfg: WGBackwardConfig):
     :func:`~nbflash._tiles.make_tc_tile_storer` (whole 16-byte chunks; rows past ``seqlen`` and head-dim
     padding skipped; ``dst``'s rows whole, aligned chunks: :func:`can_implement`).  The caller frees the staging
     first (its barrier), and meets its warp (``syncwarp``) before staging again.
+
+    In the dK/dV kernel this replaced two 16-bit stores per pair straight from the accumulators: the step went
+    from 14 to 2.0 µs a block at D = 128 (4.8 to 1.1 at D = 64), and the backward from 0.81–0.88× cuDNN's to
+    0.94–1.03× at N = 1k (H100, ``tc-backward-NVIDIA-H100-80GB-HBM3-2026-12-06-s33-staged.json``,
+    ``trace-dkdv-H100-2026-12-06-s33.json``).
     """
     SLICE = cfg.slice_cols
     D_TILES, OUT_PITCH = SLICE // 8, SLICE + 8
@@ -530,7 +525,6 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
     INF = numba.float32(math.inf)
     u32, u64 = numba.uint32, numba.uint64
     p_frags = fragment_steps(N_TILES, D_TILES, D, cfg.input_kind).p_frags
-    store_pair = _make_pair_storer(cfg.input_kind)
     load_own = swizzled_tile_loader(BLOCK_M, THREADS, D, D_SMEM)
     load_stream = swizzled_tile_loader(BLOCK_N, THREADS, D, D_SMEM)
     block_tile = cfg.block_tile(BLOCK_M)
@@ -582,8 +576,7 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
     PANELS = D_SMEM // PANEL  # TMA boxes per tile: one per 64-column panel (columns past D arrive as zeros)
     OWN_BYTES = 2 * BLOCK_M * D_SMEM * 2  # K_j and V_j
     STREAM_BYTES = 2 * BLOCK_N * D_SMEM * 2 + 2 * COL_BUF * 2  # Q_i, dO_i, and the box of lse2_i and D_i
-    # The last step (``staged_out``): dK_j, dV_j staged one at a time over the K_j, V_j tiles.
-    STAGED_OUT = cfg.staged_out
+    # The last step: dK_j, dV_j staged one at a time over the K_j, V_j tiles.
     write_staged = staged_row_writer(cfg)
     OUT_READY = DS_READY + 1  # ws: "every consumer's products are done" (consumers only)
 
@@ -931,37 +924,24 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
             HW.acc_to_array(HW.wgmma_fence_operand(dk_t), dK)
             if n_tiles > 0:
                 HW.named_barrier_arrive(EMPTY + (n_tiles - 1) % STAGES, HANDSHAKE)
-        if BULK_DQ and lane == 0 and not STAGED_OUT:
-            # ... nor a read of the staging: the block's shared memory may go.  The additions need not have
-            # landed: the grid's end makes them visible to step 2'.  (staged_out: after the stores below.)
-            HW.bulk_wait_group_read(0)
 
-        # dK_j · scale and dV_j, written once (head-dim padding and keys past the end not written).
+        # dK_j · scale and dV_j, written once (head-dim padding and keys past the end not written), staged in
+        # shared memory: each warp puts its 16 keys' rows there as 16-bit pairs, then writes whole 16-byte
+        # chunks.  The staging is the K_j, V_j tiles, free once every consumer's last product has read them
+        # (dQ's product reads all of K_j): the consumers meet first (ws: the producer has left).
+        if WS:
+            HW.named_barrier_sync(OUT_READY, CONSUMERS)
+        else:
+            cuda.syncthreads()
         sc = numba.float32(scale)
-        if STAGED_OUT:
-            # Staged in shared memory: each warp puts its 16 keys' rows there as 16-bit pairs, then writes
-            # whole 16-byte chunks.  The staging is the K_j, V_j tiles, free once every consumer's last product
-            # has read them (dQ's product reads all of K_j): the consumers meet first (ws: the producer has left).
-            if WS:
-                HW.named_barrier_sync(OUT_READY, CONSUMERS)
-            else:
-                cuda.syncthreads()
-            write_staged(smem, smem32, tid // 32, g, t, lane, dK, sc, dk, b, h, key0, seqlen_k, c0)
-            syncwarp()  # every lane has read its chunks before the rows are overwritten
-            write_staged(smem, smem32, tid // 32, g, t, lane, dV, numba.float32(1), dv, b, h, key0, seqlen_k, c0)
-            if BULK_DQ and lane == 0:
-                # The last reductions' reads of dQ's staging (a region of its own) ran under the stores; the
-                # block's shared memory may go once they are done.
-                HW.bulk_wait_group_read(0)
-        else:  # two 16-bit stores per pair, straight from the accumulators
-            for r in range(2):
-                key = key0 + g + 8 * r
-                if key < seqlen_k:
-                    for n in range(D_TILES):
-                        if c0 + 8 * n < D:
-                            col = c0 + 8 * n + 2 * t
-                            store_pair(dk, b, h, key, col, dK[n, 2 * r] * sc, dK[n, 2 * r + 1] * sc)
-                            store_pair(dv, b, h, key, col, dV[n, 2 * r], dV[n, 2 * r + 1])
+        write_staged(smem, smem32, tid // 32, g, t, lane, dK, sc, dk, b, h, key0, seqlen_k, c0)
+        syncwarp()  # every lane has read its chunks before the rows are overwritten
+        write_staged(smem, smem32, tid // 32, g, t, lane, dV, numba.float32(1), dv, b, h, key0, seqlen_k, c0)
+        if BULK_DQ and lane == 0:
+            # The last dQ reductions' reads of their staging (a region of its own) ran under the stores; once
+            # they are done the block's shared memory may go.  The additions need not have landed: the grid's
+            # end makes them visible to step 2'.
+            HW.bulk_wait_group_read(0)
 
     return flash_backward_dkdv_wgmma
 
@@ -981,11 +961,9 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
     u32, u64 = numba.uint32, numba.uint64
     steps = fragment_steps(N_TILES, D_TILES, D, cfg.input_kind)
     mask_scores, p_frags = steps.mask_scores, steps.p_frags
-    store_pair = _make_pair_storer(cfg.input_kind)
     load_own = swizzled_tile_loader(BLOCK_M, THREADS, D, D_SMEM)
     load_stream = swizzled_tile_loader(BLOCK_N, THREADS, D, D_SMEM)
     block_tile = cfg.block_tile(BLOCK_M, last_first=True)
-    STAGED_OUT = cfg.staged_out  # the last step: dQ_i staged over the Q_i, dO_i tiles
     write_staged = staged_row_writer(cfg)
 
     @kernel(fastmath=True)
@@ -1003,7 +981,7 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
         t = lane % 4
         row0 = q_start + 16 * (tid // 32)  # the warp's first query
         smem = cuda.shared.array(0, numba.uint16, alignment=SMEM_ALIGN)
-        smem32 = cuda.shared.array(0, numba.uint32, alignment=SMEM_ALIGN)  # (staged_out: 32-bit pairs)
+        smem32 = cuda.shared.array(0, numba.uint32, alignment=SMEM_ALIGN)  # (the last step: 32-bit pairs)
 
         S = cuda.local.array((N_TILES, 4), numba.float32)  # S, then P
         dP = cuda.local.array((N_TILES, 4), numba.float32)  # dP, then dS
@@ -1102,20 +1080,11 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
             HW.wgmma_wait_group(0)
             HW.acc_to_array(HW.wgmma_fence_operand(dq_t), dQ)
 
-        # dQ_i · scale, written once.  A row that sees no key keeps dQ_i = 0.
-        sc = numba.float32(scale)
-        if STAGED_OUT:
-            # Staged over the Q_i, dO_i tiles (each warp its 16 rows), free once every warpgroup's products are
-            # done and every copy has landed: the block meets first.
-            cuda.syncthreads()
-            write_staged(smem, smem32, tid // 32, g, t, lane, dQ, sc, dq, b, h, row0, seqlen_q, c0)
-        else:  # two 16-bit stores per pair, straight from the accumulators
-            for r in range(2):
-                row = row0 + g + 8 * r
-                if row < seqlen_q:
-                    for n in range(D_TILES):
-                        if c0 + 8 * n < D:
-                            store_pair(dq, b, h, row, c0 + 8 * n + 2 * t, dQ[n, 2 * r] * sc, dQ[n, 2 * r + 1] * sc)
+        # dQ_i · scale, written once (a row that sees no key keeps dQ_i = 0), staged over the Q_i, dO_i tiles
+        # (each warp its 16 rows), free once every warpgroup's products are done and every copy has landed: the
+        # block meets first.
+        cuda.syncthreads()
+        write_staged(smem, smem32, tid // 32, g, t, lane, dQ, numba.float32(scale), dq, b, h, row0, seqlen_q, c0)
 
     return flash_backward_dq_wgmma
 
@@ -1218,10 +1187,10 @@ def can_implement(cfg: WGBackwardConfig, *arrays, atomic: bool = False) -> tuple
     limit = max_shared_per_block()
     if need > limit:
         return False, f"needs {need} bytes of shared memory per block, the device allows {limit}"
-    # do, q, k, v are copied by cp.async; o (read by the SIMT preprocess) and the gradients by plain accesses,
-    # or with ``staged_out`` in 16-byte chunks (the kernels' last step)
+    # do, q, k, v are copied by cp.async; o is read by the SIMT preprocess; the gradients are written in
+    # 16-byte chunks (the kernels' last step)
     why = tile_rows_problem(cfg.head_dim, ("do", "q", "k", "v", "o", "dq", "dk", "dv"), arrays, copied=4)
-    if not why and cfg.staged_out:
+    if not why:
         why = next(filter(None, (chunked_rows_problem(name, a, 2) for name, a in zip(("dq", "dk", "dv"), arrays[5:8],
                                                                                     strict=False))), "")
     if not why and cfg.dkdv_ws:  # the dK/dV kernel copies them by TMA: strides of whole 16-byte units
@@ -1337,8 +1306,7 @@ def compile_targets():
     """``(name, cfg, kernel, signature, fastmath)`` for the GPU configurations (the PTX check, sm_90a): the defaults
     in bfloat16 at every head dim and in float16 at D = 128 (the kinds differ only in the wgmma's input type and
     the packing of P and dS; the simulator runs both everywhere), in bfloat16 at D = 64 and 128 the
-    configurations without TMA (:func:`config_for`'s fallback), and with ``staged_out`` the defaults' atomic
-    dK/dV kernels at D = 64 and 128 and the dQ kernel at D = 128."""
+    configurations without TMA (:func:`config_for`'s fallback)."""
     rows = []
     cfgs = [choose_config(d, kind, simulator=False) for d in (40, 64, 96, 128, 256) for kind in ("float16", "bfloat16")
             if kind == "bfloat16" or d == 128]
@@ -1349,9 +1317,4 @@ def compile_targets():
             rows.append(("flash_backward_dkdv_wgmma_atomic", cfg, dkdv_wgmma_kernel(cfg, True),
                          kernel_signature(cfg, "dkdv_atomic"), True))
         rows.append(("flash_backward_dq_wgmma", cfg, dq_wgmma_kernel(cfg), kernel_signature(cfg, "dq"), True))
-    for d in (64, 128):  # the defaults with ``staged_out``: the atomic dK/dV kernel, and at D = 128 the dQ kernel
-        cfg = dataclasses.replace(choose_config(d, "bfloat16", simulator=False), staged_out=True)
-        rows.append(("flash_backward_dkdv_wgmma_atomic", cfg, dkdv_wgmma_kernel(cfg, True),
-                     kernel_signature(cfg, "dkdv_atomic"), True))
-    rows.append(("flash_backward_dq_wgmma", cfg, dq_wgmma_kernel(cfg), kernel_signature(cfg, "dq"), True))
     return rows

@@ -195,7 +195,7 @@ def test_atomic_route_needs_64_query_tiles():
                                     deterministic=False)
 
 
-# ``staged_out``: dK, dV staged over the K_j, V_j tiles (dQ over Q_i, dO_i) and written in 16-byte chunks.  (kind,
+# The last step: dK, dV staged over the K_j, V_j tiles (dQ over Q_i, dO_i) and written in 16-byte chunks.  (kind,
 # causal, seqlen_q, seqlen_k, head dim, block_m, block_n, d_slice, ws, deterministic, layout)
 STAGED_CASES = [
     # ws, atomic dQ by bulk reductions, two warpgroups: one block of 70 keys, the rows past the end not written
@@ -209,30 +209,36 @@ STAGED_CASES = [
 
 @hopper
 @pytest.mark.parametrize("kind,causal,n_q,n_k,d,block_m,block_n,d_slice,ws,det,layout", STAGED_CASES)
-def test_backward_wgmma_staged_out(xp, rng, kind, causal, n_q, n_k, d, block_m, block_n, d_slice, ws, det, layout):
+def test_backward_wgmma_last_step(xp, rng, kind, causal, n_q, n_k, d, block_m, block_n, d_slice, ws, det, layout):
     """Both kernels' last step through shared memory: the dK/dV kernel's consumers meet, each warp packs its 16
     keys' rows of dK · scale, then dV, over the K_j, V_j tiles and writes whole 16-byte chunks of them — of its
     slice's columns, skipping head-dim padding and keys past the end; the dQ kernel (``det``) the same with dQ
     over Q_i, dO_i.  (Outputs are poisoned first, so a chunk left unwritten fails too.)"""
-    cfg = B.WGBackwardConfig(block_m, block_n, d, kind, d_slice=d_slice, dkdv_ws=ws, bulk_dq=not det,
-                             staged_out=True)
+    cfg = B.WGBackwardConfig(block_m, block_n, d, kind, d_slice=d_slice, dkdv_ws=ws, bulk_dq=not det)
     got, values, scale = run_backward(xp, rng, n_q, n_k, d, kind, causal, det, layout=layout, heads=1, cfg=cfg,
                                       launch=launch)
     check_against_reference(got, values, scale, causal, kind)
 
 
 @hopper
-def test_staged_gradients_need_rows_of_whole_chunks(xp):
-    """With ``staged_out`` the kernels write dq, dk and dv in 16-byte chunks of rows: gradients whose rows are not
-    16-byte aligned are refused by name, before any launch (without it, any rows are written)."""
-    cfg = B.WGBackwardConfig(64, 16, 64, "float16", staged_out=True)
-    x = xp.zeros((1, 1, 16, 64), xp.float16)
-    odd = xp.zeros((1, 1, 16, 68), xp.float16)[..., :64]  # rows 136 bytes apart
+def test_gradients_need_rows_of_whole_chunks(xp):
+    """The kernels write dq, dk and dv in 16-byte chunks of rows (their last step): gradients whose rows are not
+    16 bytes apart, or whose data does not start on 16 bytes, are refused by name before any launch, and the
+    gradients are left as they were."""
+    cfg = B.WGBackwardConfig(64, 16, 64, "float16")
+    x = xp.ones((1, 1, 16, 64), xp.float16)
+    lse = xp.zeros((1, 1, 16), xp.float32)
+    odd_rows = xp.ones((1, 1, 16, 68), xp.float16)[..., :64]  # rows 136 bytes apart
+    odd_start = xp.ones(16 * 64 + 1, xp.float16)[1:].reshape(1, 1, 16, 64)  # 2 bytes past an aligned start
     assert B.can_implement(cfg, x, x, x, x, x, x, x, x) == (True, "")
-    for name, args in (("dq", (odd, x, x)), ("dk", (x, odd, x)), ("dv", (x, x, odd))):
-        ok, why = B.can_implement(cfg, x, x, x, x, x, *args)
-        assert not ok and why.startswith(name) and "16 bytes" in why
-        assert B.can_implement(dataclasses.replace(cfg, staged_out=False), x, x, x, x, x, *args) == (True, "")
+    for odd, words in ((odd_rows, "16 bytes"), (odd_start, "16-byte aligned")):
+        for name, grads in (("dq", (odd, x.copy(), x.copy())), ("dk", (x.copy(), odd, x.copy())),
+                            ("dv", (x.copy(), x.copy(), odd))):
+            ok, why = B.can_implement(cfg, x, x, x, x, x, *grads)
+            assert not ok and why.startswith(name) and words in why, why
+            with pytest.raises(ValueError, match=f"cannot run: {name}"):
+                B.launch_backward_wgmma(cfg, x, x, x, x, x, lse, *grads, 0.125, False)
+            assert all(bool((gr == 1).all()) for gr in grads)  # nothing written
 
 
 @hopper
