@@ -115,9 +115,16 @@ def ref_grads(q, k, v, do, causal, layout, dtype):
 ROUTES = [(False, "tensor_core"), (True, "tensor_core")]
 
 
-def check(log, dims, dtypes):
+def worst_element(x, r):
+    """Where ``x`` is farthest from ``r`` (index, value, reference): for a failure's log line."""
+    i = int((x.double() - r).abs().argmax())
+    idx = tuple(int(c) for c in torch.unravel_index(torch.tensor(i), x.shape))
+    return f"at {idx}: {x.flatten()[i].item():.5g} vs {r.flatten()[i].item():.5g}"
+
+
+def check(log, dims, dtypes, seed):
     failures = 0
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device="cuda").manual_seed(seed)
     for d in dims:
         for dtype in dtypes:
             worst = 0.0
@@ -131,7 +138,7 @@ def check(log, dims, dtypes):
             ]:
                 shp = (lambda n: (2, 3, n, d)) if layout == "bhsd" else (lambda n: (2, n, 3, d))
                 q, k, v = (torch.randn(shp(n), device="cuda", dtype=dtype, generator=g) for n in (n_q, n_k, n_k))
-                do = torch.randn_like(q)
+                do = torch.randn(q.shape, device="cuda", dtype=dtype, generator=g)
                 ref = ref_grads(q, k, v, do, causal, layout, torch.float64)
                 naive = ref_grads(q, k, v, do, causal, layout, dtype)
                 for det, backend in ROUTES:
@@ -145,7 +152,7 @@ def check(log, dims, dtypes):
                             failures += 1
                             log(
                                 f"FAIL D{d} {dtype} {n_q}x{n_k} causal={causal} {layout} {backend} det={det} d{name}: "
-                                f"err {err:.2e} naive {nerr:.2e}"
+                                f"err {err:.2e} naive {nerr:.2e} {worst_element(x, r)} (seed {seed})"
                             )
             log(f"check backward D{d} {dtype}: worst err/naive {worst:.2f}")
     return failures
@@ -293,19 +300,19 @@ def compile_configs(log, cfgs, routes):
     return compiled
 
 
-def check_configs(log, cfgs, routes):
+def check_configs(log, cfgs, routes, seed):
     """Each candidate (each dQ route) against float64 autograd, the flash-attn rule; returns those that pass.
 
     bhsd only (each layout is another compiled kernel; layouts are the default check's and the tests' job).
     """
-    g = torch.Generator(device=DEVICE).manual_seed(0)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
     failed, worst = set(), dict.fromkeys(cfgs, 0.0)
     for d, kind in dict.fromkeys((c.head_dim, c.input_kind) for c in cfgs):
         dtype = next(dt for dt, k in KIND.items() if k == kind)
         group = [c for c in cfgs if (c.head_dim, c.input_kind) == (d, kind)]
         for n_q, n_k, causal in SWEEP_CASES:
             q, k, v = (torch.randn(2, 3, n, d, device=DEVICE, dtype=dtype, generator=g) for n in (n_q, n_k, n_k))
-            do = torch.randn_like(q)
+            do = torch.randn(q.shape, device=DEVICE, dtype=dtype, generator=g)
             ref = ref_grads(q, k, v, do, causal, "bhsd", torch.float64)
             naive = ref_grads(q, k, v, do, causal, "bhsd", dtype)
             o, lse = api.forward_arrays(
@@ -329,7 +336,7 @@ def check_configs(log, cfgs, routes):
                             failed.add(cfg)
                             log(
                                 f"FAIL {tag(cfg)} D{d} {kind} {n_q}x{n_k} causal={causal} det={det} d{name}: "
-                                f"err {err:.2e} naive {nerr:.2e}"
+                                f"err {err:.2e} naive {nerr:.2e} {worst_element(x, r)} (seed {seed})"
                             )
     for cfg in cfgs:
         verdict = "FAILED, not timed" if cfg in failed else "ok"
@@ -438,7 +445,7 @@ def sweep(args, log, env, save):
     log(f"[{time.perf_counter() - start:.0f} s] compiled {len(compiled)} of {len(cfgs)}")
     good = [c for c, _ in compiled]
     if not args.no_check:
-        good = check_configs(log, good, routes)
+        good = check_configs(log, good, routes, args.seed)
         log(f"[{time.perf_counter() - start:.0f} s] checked: {len(good)} pass")
     results = []
 
@@ -470,6 +477,7 @@ def main():
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--seed", type=int, help="the check's inputs (default: fresh, and logged so a failure replays)")
     ap.add_argument("--configs", help="tile sweep: these candidates by tag (e.g. 64x64r,128x128r,64x128@128)")
     ap.add_argument("--atomic", action="store_true", help="tile sweep: time the atomic dQ route too")
     ap.add_argument("--only", action="store_true", help="tile sweep: the candidates only, not the mma.sync default")
@@ -480,6 +488,8 @@ def main():
                     help="tile sweep: compile the candidates first in this many processes (through the disk cache)")
     ap.add_argument("--compile-part", help=argparse.SUPPRESS)  # i/n: compile every n-th candidate from i, and exit
     args = ap.parse_args()
+    if args.seed is None:
+        args.seed = int.from_bytes(os.urandom(4), "little")
     if torch.cuda.get_device_capability()[0] == 9:  # Hopper: the wgmma backward too
         ROUTES.extend([(True, "wgmma"), (False, "wgmma")])
     dtypes = [DTYPES[s] for s in args.dtypes.split(",")]
@@ -501,12 +511,14 @@ def main():
         compile_configs(log, cfgs, (True, False) if args.atomic else (True,))
         return
     env = environment()
+    if not args.no_check:
+        log(f"check seed {args.seed} (--seed replays it)")
     if args.configs:
         data = sweep(args, log, env, lambda data: write(args, data, None, lines))
         write(args, data, log, lines)
         return
     if not args.no_check:
-        log(f"correctness failures: {check(log, dims, dtypes)}")
+        log(f"correctness failures: {check(log, dims, dtypes, args.seed)}")
     results = []
     for d in dims:
         for dtype in dtypes:
