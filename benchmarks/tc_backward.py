@@ -65,7 +65,7 @@ KIND = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEVICE = "cuda"
 TOKENS, WIDTH = 16384, 2048  # timed shapes: batch · N and heads · D
-TAG = re.compile(r"(wg)?(\d+)x(\d+)(r?)(?:s(\d)(\d))?(w?)(?:g(\d)(\d)(b?)(e?))?(?:d(\d+))?(b?)(o?)(c?)(m?)(k?)"
+TAG = re.compile(r"(wg)?(\d+)x(\d+)(r?)(?:s(\d)(\d))?(w?)(?:g(\d)(\d)(b?)(e?))?(?:d(\d+))?(b?)(o?)(c?)(m?)(k?)(t?)"
                  r"(?:@(\d+))?")
 # (seqlen_q, seqlen_k, causal) of the candidates' check: ragged tiles, both causal shapes, whole blocks.
 SWEEP_CASES = [(97, 97, False), (200, 97, True), (97, 200, True), (1025, 1025, True), (2048, 2048, False)]
@@ -169,8 +169,9 @@ def tag(cfg) -> str:
     ``b``: the atomic route's dQ by bulk reductions from shared memory; ``o``: its product issued under dV's and
     dK's; ``c``: its 64-query chunks split between the warpgroups; ``m``: dSᵀ read MN-major from shared memory
     by that product, ``ds_mn_major``; ``k``: dK's product issued last and left running into the next tile,
-    ``dk_last``).  (Until 2026-12-06 ``t`` named ``staged_out``, the last step through shared memory: now the
-    only one.)"""
+    ``dk_last``).  ``t`` (``mma.sync`` only): ``staged_out``, the gradients written through shared memory in
+    16-byte chunks.  (Until 2026-12-06 ``t`` also named the wgmma backward's ``staged_out``: now its only last
+    step.)"""
     if is_wgmma(cfg):
         stages = "" if (cfg.dkdv_stages, cfg.dq_stages) == (2, 2) else f"s{cfg.dkdv_stages}{cfg.dq_stages}"
         cols = f"d{cfg.d_slice}" if cfg.d_slice else ""
@@ -180,7 +181,7 @@ def tag(cfg) -> str:
     cols = f"d{cfg.d_slice}" if cfg.d_slice else ""
     grid = (f"g{cfg.warps_keys}{cfg.warps_dq_rows}{'b' if cfg.bulk_dq else ''}{'e' if cfg.dq_before_dk else ''}"
             if cfg.grid else "")
-    return f"{cfg.block_m}x{cfg.block_n}{'r' if cfg.kv_in_registers else ''}{grid}{cols}"
+    return f"{cfg.block_m}x{cfg.block_n}{'r' if cfg.kv_in_registers else ''}{grid}{cols}{'t' if cfg.staged_out else ''}"
 
 
 def parse_configs(spec: str, dims, kinds, only: bool = False) -> list[T.TCBackwardConfig]:
@@ -194,24 +195,24 @@ def parse_configs(spec: str, dims, kinds, only: bool = False) -> list[T.TCBackwa
     for t in tags:
         m = TAG.fullmatch(t)
         wg_only = m and any(m[i] for i in (5, 7, 13, 14, 15, 16, 17))  # flags of the wgmma backward
-        if not m or (m[1] and (m[4] or m[8])) or (wg_only and not m[1]):
+        if not m or (m[1] and (m[4] or m[8] or m[18])) or (wg_only and not m[1]):
             raise ValueError(
                 f"bad config tag {t!r}: expected <block_m>x<block_n>[r][g<key groups><dQ row groups>[b][e]][d<columns>]"
-                "[@<head dim>] or wg<block_m>x<block_n>[s<dK/dV stages><dQ stages>][w][d<columns>][b][o][c][m][k]"
+                "[t][@<head dim>] or wg<block_m>x<block_n>[s<dK/dV stages><dQ stages>][w][d<columns>][b][o][c][m][k]"
                 "[@<head dim>], "
                 "e.g. 64x128r, 64x128g42, 32x64d64@256, wg128x64s23@128, wg128x64s33w, wg128x64wb or wg64x64d128@256"
             )
         stages = (int(m[5]), int(m[6])) if m[5] else (2, 2)
         grid = (int(m[8]), int(m[9]), m[10] == "b", m[11] == "e") if m[8] else (0, 0, False, False)
         parsed.append((bool(m[1]), int(m[2]), int(m[3]), m[4] == "r", stages, grid, int(m[12] or 0),
-                       int(m[18]) if m[18] else None, m[7] == "w", m[13] == "b", m[14] == "o", m[15] == "c",
-                       m[16] == "m", m[17] == "k"))
+                       int(m[19]) if m[19] else None, m[7] == "w", m[13] == "b", m[14] == "o", m[15] == "c",
+                       m[16] == "m", m[17] == "k", m[18] == "t"))
     cfgs = []
     for d in dims:
         for kind in kinds:
             default = T.choose_config(d, kind, simulator=False)
             mine = [] if only else [default]
-            for wg, bm, bn, regs, stages, grid, cols, only, ws, bulk, overlap, split, mn, dk_last in parsed:
+            for wg, bm, bn, regs, stages, grid, cols, only, ws, bulk, overlap, split, mn, dk_last, staged in parsed:
                 if only is not None and only != d:
                     continue
                 if wg:
@@ -221,7 +222,7 @@ def parse_configs(spec: str, dims, kinds, only: bool = False) -> list[T.TCBackwa
                 else:
                     cfg = T.TCBackwardConfig(bm, bn, d, kind, kv_in_registers=regs, vector_red=default.vector_red,
                                              d_slice=cols, warps_keys=grid[0], warps_dq_rows=grid[1],
-                                             bulk_dq=grid[2], dq_before_dk=grid[3])
+                                             bulk_dq=grid[2], dq_before_dk=grid[3], staged_out=staged)
                 if cfg not in mine:
                     mine.append(cfg)
             cfgs += mine

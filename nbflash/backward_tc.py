@@ -179,8 +179,15 @@ from ._device import (
     numba,
     syncwarp,
 )
-from ._tiles import LOG2E, HeadDimSlices, make_padded_offset, make_storer, make_tc_tile_copier
-from ._validate import array_module, tile_rows_problem
+from ._tiles import (
+    LOG2E,
+    HeadDimSlices,
+    make_padded_offset,
+    make_storer,
+    make_tc_tile_copier,
+    make_tc_tile_storer,
+)
+from ._validate import array_module, chunked_rows_problem, tile_rows_problem
 from .masking import d_key_range, d_query_range, d_row_key_end, d_tile_needs_mask
 
 __all__ = [
@@ -256,6 +263,13 @@ class TCBackwardConfig(HeadDimSlices):
     # Atomic dQ in the grid layout: step 1g between dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i (FlashAttention-2's order),
     # so that the dK product's mma issue while dQ's reductions drain, instead of after both products.
     dq_before_dk: bool = False
+    # Both kernels' last step through shared memory (:func:`_make_staged_writer`): after a block barrier every
+    # warp packs its dK_j · scale and dV_j pairs over the K_j, V_j tiles (dQ_i · scale over Q_i), then the block
+    # writes whole 16-byte chunks of rows, instead of two 16-bit stores per pair from the accumulators.  The
+    # Hopper backward's same change took its dK/dV kernel's last step from 14 to 2.0 µs a block at D = 128 (H100,
+    # 2026-12-06); here it is simulator-tested and not yet timed, so off.  dq, dk and dv must then have rows of
+    # whole, aligned 16-byte chunks (:func:`can_implement`).
+    staged_out: bool = False
 
     def __post_init__(self):
         if self.block_n not in (16, 32, 64, 128):
@@ -606,6 +620,45 @@ def _make_dkdv_storer(cfg: TCBackwardConfig, m_tiles: int, n_tiles: int):
     return device_function(store_dkdv)
 
 
+@functools.cache
+def _make_staged_writer(cfg: TCBackwardConfig, rows: int, m_tiles: int, n_tiles: int):
+    """``(stage, store)``: a kernel's last step through shared memory (``staged_out``), for a block of ``rows``
+    gradient rows × its slice of columns.
+
+    ``stage(smem32, offset, acc, sc, row_g, col_l0, t)`` packs a warp's accumulators ``acc · sc`` (``16 · m_tiles``
+    rows from ``row_g``, the tile-local row of the thread's g, × ``8 · n_tiles`` columns from the slice-local
+    ``col_l0``; tile ``m · n_tiles + n`` as in :func:`_make_tile_product`) to 16 bits into the tile at element
+    ``offset``, rows :attr:`~TCBackwardConfig.pitch` apart: the layout the tile's copies used, whose padding puts
+    the 32 lanes' words of one store in 32 banks.  ``store(smem, offset, dst, b, h, start, seqlen, tid, c0)`` then
+    writes the tile's rows to rows ``start ...`` of ``dst[b, h]``, columns ``c0 ...``, in whole 16-byte chunks by
+    every thread of the block (:func:`~nbflash._tiles.make_tc_tile_storer`; rows past ``seqlen`` and head-dim
+    padding skipped).  The caller meets the block before staging (nothing reads the tile any more) and between
+    the two (every warp's rows are in place)."""
+    PITCH, SLICED = cfg.pitch, cfg.slices > 1
+    pack = I.pack_f16x2 if cfg.input_kind == "float16" else I.pack_bf16x2  # the first value in the low half
+    rows_of = make_tc_tile_storer(rows, cfg.threads, cfg.head_dim, make_padded_offset(PITCH),
+                                  slice_cols=cfg.slice_cols if SLICED else 0)
+    u32 = numba.uint32
+
+    @device_function
+    def stage(smem32, offset, acc, sc, row_g, col_l0, t):
+        for m in range(m_tiles):
+            for r in range(2):
+                word = u32((offset + (row_g + 16 * m + 8 * r) * PITCH + col_l0 + 2 * t) // 2)
+                for n in range(n_tiles):
+                    x = m * n_tiles + n
+                    smem32[word + u32(4 * n)] = pack(acc[x, 2 * r] * sc, acc[x, 2 * r + 1] * sc)
+
+    if SLICED:
+        return stage, rows_of
+
+    @device_function
+    def store(smem, offset, dst, b, h, start, seqlen, tid, c0):
+        rows_of(smem, offset, dst, b, h, start, seqlen, tid)
+
+    return stage, store
+
+
 def _make_dq_adder(cfg: TCBackwardConfig, m_tiles: int, n_tiles: int):
     """``add_dq(dQ, dq_cols, dq_row_bytes, row_g, col0, seqlen_q)``: step 1g's addition of a warp's dQ
     accumulators (``16 · m_tiles`` queries from ``row_g``, the query of the thread's row g, × ``8 · n_tiles``
@@ -808,6 +861,8 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
     mma_into, pack_pair = _make_fragment_ops(cfg.input_kind)
     first_tile, next_tile = _make_query_stream(cfg, "dkdv_atomic" if atomic_dq else "dkdv")
     store_dkdv, add_dq = _make_dkdv_storer(cfg, 1, D_TILES), _make_dq_adder(cfg, 1, DQ_TILES)
+    STAGED_OUT = cfg.staged_out
+    stage, store_rows = _make_staged_writer(cfg, BLOCK_N, 1, D_TILES)
     row_product = _make_row_product(GROUPS, GROUP, KV_IN_REGS, M_STEPS, PITCH, mma_into)
     transposed_gradients = _make_transposed_gradients(1, Q_TILES)
     block_tile = cfg.block_tile(BLOCK_N)
@@ -960,7 +1015,16 @@ def dkdv_tc_kernel(cfg: TCBackwardConfig, atomic_dq: bool = False):
         I.cp_async_wait_all()  # nothing left in flight (also when no query tile sees these keys)
 
         # dK_j · scale and dV_j, written once.
-        store_dkdv(dk, dv, dK, dV, b, h, k_start + 16 * warp + g, c0, t, seqlen_k, numba.float32(scale))
+        sc = numba.float32(scale)
+        if STAGED_OUT:  # over the K_j, V_j tiles, then whole 16-byte chunks of rows
+            cuda.syncthreads()  # every warp's last read of K_j, V_j (step 1g reads all of K_j) and copy are done
+            stage(smem32, K_OFF, dK, sc, 16 * warp + g, 0, t)
+            stage(smem32, V_OFF, dV, numba.float32(1), 16 * warp + g, 0, t)
+            cuda.syncthreads()  # every warp's rows are staged before the block reads whole rows
+            store_rows(smem, K_OFF, dk, b, h, k_start, seqlen_k, tid, c0)
+            store_rows(smem, V_OFF, dv, b, h, k_start, seqlen_k, tid, c0)
+        else:
+            store_dkdv(dk, dv, dK, dV, b, h, k_start + 16 * warp + g, c0, t, seqlen_k, sc)
 
     return flash_backward_dkdv_tc
 
@@ -1021,6 +1085,8 @@ def _dkdv_grid_kernel(cfg: TCBackwardConfig, atomic_dq: bool):
     mma_into, pack_pair = _make_fragment_ops(cfg.input_kind)
     first_tile, next_tile = _make_query_stream(cfg, "dkdv_atomic" if atomic_dq else "dkdv")
     store_dkdv, add_dq = _make_dkdv_storer(cfg, KT, 2 * CP), _make_dq_adder(cfg, QTQ, 2 * CPQ)
+    STAGED_OUT = cfg.staged_out
+    stage, store_rows = _make_staged_writer(cfg, BLOCK_N, KT, 2 * CP)
     add_dq_bulk = _make_dq_bulk_adder(cfg.dq_tiles, off.get("dq", 0) // 2)
     # Sᵀ = K Qᵀ, dPᵀ = V dOᵀ: A = K (V) rows, B = Q (dO) rows; k = the head dim.
     s_product = _make_tile_product(KT, QP, K_STEPS, False, False, (16 * PITCH, 16), (16 * PITCH, 16), mma_into)
@@ -1140,7 +1206,16 @@ def _dkdv_grid_kernel(cfg: TCBackwardConfig, atomic_dq: bool):
         I.cp_async_wait_all()  # nothing left in flight (also when no query tile sees these keys)
 
         # dK_j · scale and dV_j, written once.
-        store_dkdv(dk, dv, dK, dV, b, h, k_start + key0 + g, col0, t, seqlen_k, numba.float32(scale))
+        sc = numba.float32(scale)
+        if STAGED_OUT:  # over the K_j, V_j tiles, then whole 16-byte chunks of rows
+            cuda.syncthreads()  # every warp's last read of K_j, V_j (steps b and g) and copy are done
+            stage(smem32, K_OFF, dK, sc, key0 + g, col0, t)
+            stage(smem32, V_OFF, dV, numba.float32(1), key0 + g, col0, t)
+            cuda.syncthreads()  # every warp's part is staged before the block reads whole rows
+            store_rows(smem, K_OFF, dk, b, h, k_start, seqlen_k, tid, 0)
+            store_rows(smem, V_OFF, dv, b, h, k_start, seqlen_k, tid, 0)
+        else:
+            store_dkdv(dk, dv, dK, dV, b, h, k_start + key0 + g, col0, t, seqlen_k, sc)
         if BULK_DQ and lane == 0:
             # The copy engine has read this warp's last staged dQ_i, so the block's shared memory may go.  Its
             # additions need not have landed: nothing here reads dQ, and the grid's end makes them visible to
@@ -1184,6 +1259,8 @@ def dq_tc_kernel(cfg: TCBackwardConfig):
     SMEM_ALIGN = None if SIMULATOR else 16
     mma_into, pack_pair = _make_fragment_ops(cfg.input_kind)
     store_pair = _make_pair_storer(cfg.input_kind)
+    STAGED_OUT = cfg.staged_out
+    stage, store_rows = _make_staged_writer(cfg, BLOCK_M, 1, D_TILES)
     copy_q = _make_tile_copier(BLOCK_M, cfg)
     copy_kv = _make_tile_copier(BLOCK_N, cfg)
     row_product = _make_row_product(GROUPS, GROUP, HOLD, N_TILES // 2, PITCH, mma_into)
@@ -1203,6 +1280,7 @@ def dq_tc_kernel(cfg: TCBackwardConfig):
         g = lane // 4  # this thread's rows of every fragment: queries g and g + 8 of the warp ...
         t = lane % 4  # ... and columns 2t, 2t + 1 of every 8-column tile
         smem = cuda.shared.array(0, numba.uint16, alignment=SMEM_ALIGN)
+        smem32 = cuda.shared.array(0, numba.uint32, alignment=SMEM_ALIGN)  # (staged_out: 32-bit pairs)
 
         qf = cuda.local.array((K_STEPS if HOLD else GROUP, 4), numba.uint32)  # Q_i A-fragments, one set per k-step
         of = cuda.local.array((K_STEPS if HOLD else GROUP, 4), numba.uint32)  # dO_i A-fragments
@@ -1299,13 +1377,19 @@ def dq_tc_kernel(cfg: TCBackwardConfig):
 
         # dQ_i · scale, written once.  A row that sees no key keeps dQ_i = 0.
         sc = numba.float32(scale)
-        for r in range(2):
-            row = q_start + 16 * warp + g + 8 * r
-            if row < seqlen_q:
-                for n in range(D_TILES):
-                    if PADDED and c0 + 8 * n >= D:
-                        continue  # head-dim padding
-                    store_pair(dq, b, h, row, c0 + 8 * n + 2 * t, dQ[n, 2 * r] * sc, dQ[n, 2 * r + 1] * sc)
+        if STAGED_OUT:  # over the Q_i tile, then whole 16-byte chunks of rows
+            cuda.syncthreads()  # every copy of Q_i has landed and every warp's last read of it (its rows) is done
+            stage(smem32, Q_OFF, dQ, sc, 16 * warp + g, 0, t)
+            cuda.syncthreads()  # every warp's rows are staged before the block reads whole rows
+            store_rows(smem, Q_OFF, dq, b, h, q_start, seqlen_q, tid, c0)
+        else:
+            for r in range(2):
+                row = q_start + 16 * warp + g + 8 * r
+                if row < seqlen_q:
+                    for n in range(D_TILES):
+                        if PADDED and c0 + 8 * n >= D:
+                            continue  # head-dim padding
+                        store_pair(dq, b, h, row, c0 + 8 * n + 2 * t, dQ[n, 2 * r] * sc, dQ[n, 2 * r + 1] * sc)
 
     return flash_backward_dq_tc
 
@@ -1530,8 +1614,11 @@ def can_implement(cfg: TCBackwardConfig, *arrays) -> tuple[bool, str]:
         need = shared_bytes(cfg, name)
         if need > limit:
             return False, f"the {name} kernel needs {need} bytes of shared memory per block, the device allows {limit}"
-    # do, q, k, v are copied by cp.async
+    # do, q, k, v are copied by cp.async; with ``staged_out`` the gradients are written in 16-byte chunks
     why = tile_rows_problem(cfg.head_dim, ("do", "q", "k", "v", "o", "dq", "dk", "dv"), arrays, copied=4)
+    if not why and cfg.staged_out:
+        why = next(filter(None, (chunked_rows_problem(name, a, 2) for name, a in zip(("dq", "dk", "dv"), arrays[5:8],
+                                                                                    strict=False))), "")
     return not why, why
 
 
@@ -1660,6 +1747,12 @@ def compile_targets(cc: tuple[int, int] = (9, 0)):
                      for d in (64, 128))
         after = dataclasses.replace(a128, dq_before_dk=False)  # (its step 2' is a128's: the order does not enter it)
         targets += [("dq_convert_tiled", a64), ("dq_convert_tiled", a128), ("dkdv_atomic", after)]
+    # ``staged_out`` (off until timed; one kind): the float16 defaults' kernels at D = 128, the atomic route's too,
+    # and at D = 256 (slices).
+    for d in (128, 256):
+        cfg, atomic = (dataclasses.replace(choose_config(d, "float16", simulator=False, cc=cc, max_shared=227 * 1024,
+                                                         atomic=a), staged_out=True) for a in (False, True))
+        targets += [("dkdv", cfg), ("dq", cfg)] + ([("dkdv_atomic", atomic)] if d == 128 else [])
     return [
         (f"flash_backward_{name}_tc", cfg, _kernel(cfg, name), kernel_signature(cfg, name), True)
         for name, cfg in targets

@@ -402,6 +402,69 @@ def test_backward_tc_head_dim_slices(xp, rng, kind, deterministic, causal, n_q, 
     check_against_reference(got, values, scale, causal, kind)
 
 
+# ``staged_out``: the last step through shared memory (dK, dV over the K_j, V_j tiles, dQ over Q_i), then whole
+# 16-byte chunks of rows by the block.  (kind, deterministic, causal, seqlen_q, seqlen_k, head dim, layout, layout
+# options): every layout of the dK/dV kernel, and the dQ kernel (deterministic) with one slice and with several.
+STAGED = [
+    ("float16", False, True, 37, 20, 32, "bhsd", dict(kv_in_registers=False)),  # rows that see no key; atomic
+    ("bfloat16", True, False, 21, 19, 40, "bshd", dict(kv_in_registers=True)),  # D = 40 padded to 48; dQ kernel
+    ("bfloat16", False, True, 70, 45, 32, "bhsd",  # grid layout 2 × 2: a warp's 32 keys × 16 columns, ragged keys
+     dict(block_m=32, block_n=64, kv_in_registers=False, warps_keys=2, warps_dq_rows=2)),
+    ("float16", False, False, 37, 50, 40, "bhsd",  # grid 4 × 1 with bulk dQ: the read wait after the stores
+     dict(block_m=64, block_n=64, kv_in_registers=False, warps_keys=4, warps_dq_rows=4, bulk_dq=True)),
+    ("bfloat16", True, True, 21, 19, 24, "bhsd", dict(d_slice=16, kv_in_registers=False)),  # slices: 16..23 written
+    ("float16", False, True, 21, 19, 40, "bshd", dict(d_slice=16, kv_in_registers=False)),  # three slices, atomic
+]
+
+
+@pytest.mark.parametrize("kind,deterministic,causal,n_q,n_k,d,layout,options", STAGED,
+                         ids=[f"{c[0]}-{'det' if c[1] else 'atomic'}-{'causal' if c[2] else 'full'}-{c[3]}x{c[4]}"
+                              f"-D{c[5]}-{c[6]}-{'-'.join(f'{k}={v}' for k, v in c[7].items())}" for c in STAGED])
+def test_backward_tc_staged_out(xp, rng, kind, deterministic, causal, n_q, n_k, d, layout, options):
+    """Both kernels' last step through shared memory (``staged_out``): every warp packs its gradient pairs into
+    the once-copied tiles after a block barrier, and the block writes whole 16-byte chunks of rows — of its
+    slice, skipping head-dim padding and rows past the end.  (Outputs are poisoned first: a chunk left unwritten
+    fails too.)"""
+    if options.get("bulk_dq") and not SIMULATOR and compute_capability() < (9, 0):
+        pytest.skip("cp.reduce.async.bulk needs sm_90")
+    cfg = dataclasses.replace(T.choose_config(d, kind), staged_out=True, **options)
+    got, values, scale = run_backward(xp, rng, n_q, n_k, d, kind, causal, deterministic, layout=layout, heads=2,
+                                      cfg=cfg)
+    check_against_reference(got, values, scale, causal, kind)
+
+
+def unchunked_gradients(xp):
+    """``(x, lse, cases)`` for the refusal of gradients the 16-byte chunk stores cannot write: ``x`` a (1, 1, 16,
+    64) float16 input of ones, ``cases`` ``(name, (dq, dk, dv), words)`` with one of the three odd — rows 136 bytes
+    apart, or data 2 bytes past an aligned start — and ``words`` what the refusal must say."""
+    x = xp.ones((1, 1, 16, 64), xp.float16)
+    odd_rows = xp.ones((1, 1, 16, 68), xp.float16)[..., :64]
+    odd_start = xp.ones(16 * 64 + 1, xp.float16)[1:].reshape(1, 1, 16, 64)
+    cases = []
+    for odd, words in ((odd_rows, "16 bytes"), (odd_start, "16-byte aligned")):
+        for i, name in enumerate(("dq", "dk", "dv")):
+            grads = [x.copy() for _ in range(3)]
+            grads[i] = odd
+            cases.append((name, tuple(grads), words))
+    return x, xp.zeros((1, 1, 16), xp.float32), cases
+
+
+def test_staged_gradients_need_rows_of_whole_chunks(xp):
+    """With ``staged_out`` the gradients are written in 16-byte chunks of rows: dq, dk or dv whose rows are not 16
+    bytes apart, or whose data does not start on 16 bytes, are refused by name before any launch and left
+    unwritten; without it any rows are written."""
+    cfg = dataclasses.replace(T.choose_config(64, "float16"), staged_out=True)
+    x, lse, cases = unchunked_gradients(xp)
+    assert T.can_implement(cfg, x, x, x, x, x, x, x, x) == (True, "")
+    for name, grads, words in cases:
+        ok, why = T.can_implement(cfg, x, x, x, x, x, *grads)
+        assert not ok and why.startswith(name) and words in why, why
+        with pytest.raises(ValueError, match=name):
+            T.launch_backward_tc(cfg, x, x, x, x, x, lse, *grads, 0.125, False, True)
+        assert all(bool((gr == 1).all()) for gr in grads)  # nothing written
+        assert T.can_implement(dataclasses.replace(cfg, staged_out=False), x, x, x, x, x, *grads) == (True, "")
+
+
 def test_config_and_can_implement():
     for bad in (dict(block_n=48), dict(block_m=24), dict(head_dim=36), dict(head_dim=264), dict(d_slice=24),
                 dict(d_slice=144), dict(input_kind="float32")):

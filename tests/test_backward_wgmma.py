@@ -18,7 +18,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from test_backward_tc import check_against_reference, run_backward
+from test_backward_tc import check_against_reference, run_backward, unchunked_gradients
 from test_forward_wgmma import offline_rows
 
 import nbflash
@@ -226,19 +226,14 @@ def test_gradients_need_rows_of_whole_chunks(xp):
     16 bytes apart, or whose data does not start on 16 bytes, are refused by name before any launch, and the
     gradients are left as they were."""
     cfg = B.WGBackwardConfig(64, 16, 64, "float16")
-    x = xp.ones((1, 1, 16, 64), xp.float16)
-    lse = xp.zeros((1, 1, 16), xp.float32)
-    odd_rows = xp.ones((1, 1, 16, 68), xp.float16)[..., :64]  # rows 136 bytes apart
-    odd_start = xp.ones(16 * 64 + 1, xp.float16)[1:].reshape(1, 1, 16, 64)  # 2 bytes past an aligned start
+    x, lse, cases = unchunked_gradients(xp)
     assert B.can_implement(cfg, x, x, x, x, x, x, x, x) == (True, "")
-    for odd, words in ((odd_rows, "16 bytes"), (odd_start, "16-byte aligned")):
-        for name, grads in (("dq", (odd, x.copy(), x.copy())), ("dk", (x.copy(), odd, x.copy())),
-                            ("dv", (x.copy(), x.copy(), odd))):
-            ok, why = B.can_implement(cfg, x, x, x, x, x, *grads)
-            assert not ok and why.startswith(name) and words in why, why
-            with pytest.raises(ValueError, match=f"cannot run: {name}"):
-                B.launch_backward_wgmma(cfg, x, x, x, x, x, lse, *grads, 0.125, False)
-            assert all(bool((gr == 1).all()) for gr in grads)  # nothing written
+    for name, grads, words in cases:
+        ok, why = B.can_implement(cfg, x, x, x, x, x, *grads)
+        assert not ok and why.startswith(name) and words in why, why
+        with pytest.raises(ValueError, match=f"cannot run: {name}"):
+            B.launch_backward_wgmma(cfg, x, x, x, x, x, lse, *grads, 0.125, False)
+        assert all(bool((gr == 1).all()) for gr in grads)  # nothing written
 
 
 @hopper
