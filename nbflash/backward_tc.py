@@ -105,7 +105,8 @@ to a multiple of 16 — the mma's k — in shared memory, the padding zero-fille
 by ``cp.async`` and never written back: a gradient tile of padding is neither
 stored nor, since it is dead, computed); any ``N_q, N_k ≥ 1`` (ragged tails
 are zero-filled by ``cp.async``; causal is bottom-right aligned); q, k, v, do
-contiguous along ``D`` with 16-byte aligned rows.  Shared memory per block
+contiguous along ``D`` with 16-byte aligned rows (with ``staged_out`` dq, dk,
+dv too).  Shared memory per block
 (:func:`shared_bytes`; ``C`` = :attr:`~TCBackwardConfig.d_smem`, the padded
 D, or every slice whole), every row padded by 8 elements (16 bytes) so that
 ``ldmatrix``'s eight row addresses fall in different banks::
