@@ -379,6 +379,31 @@ def make_padded_offset(pitch: int):
     return device_function(padded_offset)
 
 
+def make_pair_stager(input_kind: str, pitch: int, m_tiles: int, n_tiles: int):
+    """``stage(smem32, offset, acc, sc, row_g, col0, t)``: a warp's mma accumulators ``acc · sc`` packed to 16
+    bits into a shared tile, one 32-bit store per pair, for :func:`make_tc_tile_storer` to write out.
+
+    ``acc`` holds ``16 · m_tiles`` rows × ``8 · n_tiles`` columns (tile ``m · n_tiles + n``; the thread's pairs
+    at rows g, g + 8 and columns 2t, 2t + 1 of each); they land at tile rows ``row_g + 16m (+ 8)`` (``row_g``:
+    the tile row of the thread's g) and columns ``col0 + 8n + 2t``, the tile at element ``offset`` with rows
+    ``pitch`` elements apart.  A pitch of a multiple of 16 plus 8 puts the 32 lanes of one store in 32 banks.
+    """
+    pack = I.pack_f16x2 if input_kind == "float16" else I.pack_bf16x2  # the first value in the low half
+    u32 = numba.uint32
+
+    @device_function
+    def stage(smem32, offset, acc, sc, row_g, col0, t):
+        word = u32((offset + row_g * pitch + col0) // 2 + t)  # the thread's first pair (32-bit words)
+        for m in range(m_tiles):
+            for r in range(2):
+                for n in range(n_tiles):
+                    x = m * n_tiles + n
+                    smem32[word + u32((16 * m + 8 * r) * pitch // 2 + 4 * n)] = pack(acc[x, 2 * r] * sc,
+                                                                                    acc[x, 2 * r + 1] * sc)
+
+    return stage
+
+
 def make_tc_tile_storer(rows: int, lanes: int, head_dim: int, src_offset, slice_cols: int = 0):
     """``store(smem, offset, dst, b, h, start, seqlen, lane)``: rows ``[start, start + rows)`` of ``dst[b, h]``
     (16-bit elements) from a shared tile, by ``lanes`` lanes of one warp — the reverse of

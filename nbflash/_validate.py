@@ -86,10 +86,11 @@ def chunked_rows_problem(name: str, a, itemsize: int) -> str:
     return ""
 
 
-def tile_rows_problem(head_dim: int, names, arrays, copied: int) -> str:
+def tile_rows_problem(head_dim: int, names, arrays, copied: int, written=()) -> str:
     """Why a 16-bit tensor-core kernel cannot take ``arrays`` (``(B, H, N, D)`` views or descriptors named
     ``names``), or "": each of head dim ``head_dim`` with 16-bit elements, and the first ``copied`` of them
-    (those the kernel copies by ``cp.async``) in whole, aligned 16-byte chunks (:func:`chunked_rows_problem`)."""
+    (those the kernel copies by ``cp.async``) and those named in ``written`` (outputs it stores as 16-byte
+    chunks) in whole, aligned 16-byte chunks (:func:`chunked_rows_problem`)."""
     for i, (name, a) in enumerate(zip(names, arrays, strict=False)):
         if a.shape[-1] != head_dim:
             return f"{name} has head dim {a.shape[-1]}, the configuration {head_dim}"
@@ -98,7 +99,9 @@ def tile_rows_problem(head_dim: int, names, arrays, copied: int) -> str:
         why = chunked_rows_problem(name, a, 2) if i < copied else ""
         if why:
             return why
-    return ""
+    # the written ones once every array has the right head dim and type
+    return next(filter(None, (chunked_rows_problem(name, a, 2) for name, a in zip(names, arrays, strict=False)
+                              if name in written)), "")
 
 
 def _expected_array() -> str:

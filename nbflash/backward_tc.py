@@ -184,11 +184,12 @@ from ._tiles import (
     LOG2E,
     HeadDimSlices,
     make_padded_offset,
+    make_pair_stager,
     make_storer,
     make_tc_tile_copier,
     make_tc_tile_storer,
 )
-from ._validate import array_module, chunked_rows_problem, tile_rows_problem
+from ._validate import array_module, tile_rows_problem
 from .masking import d_key_range, d_query_range, d_row_key_end, d_tile_needs_mask
 
 __all__ = [
@@ -628,27 +629,17 @@ def _make_staged_writer(cfg: TCBackwardConfig, rows: int, m_tiles: int, n_tiles:
 
     ``stage(smem32, offset, acc, sc, row_g, col_l0, t)`` packs a warp's accumulators ``acc · sc`` (``16 · m_tiles``
     rows from ``row_g``, the tile-local row of the thread's g, × ``8 · n_tiles`` columns from the slice-local
-    ``col_l0``; tile ``m · n_tiles + n`` as in :func:`_make_tile_product`) to 16 bits into the tile at element
-    ``offset``, rows :attr:`~TCBackwardConfig.pitch` apart: the layout the tile's copies used, whose padding puts
-    the 32 lanes' words of one store in 32 banks.  ``store(smem, offset, dst, b, h, start, seqlen, tid, c0)`` then
+    ``col_l0``; tile ``m · n_tiles + n`` as in :func:`_make_tile_product`) into the tile at element ``offset``,
+    rows :attr:`~TCBackwardConfig.pitch` apart, the layout the tile's copies used
+    (:func:`~nbflash._tiles.make_pair_stager`).  ``store(smem, offset, dst, b, h, start, seqlen, tid, c0)`` then
     writes the tile's rows to rows ``start ...`` of ``dst[b, h]``, columns ``c0 ...``, in whole 16-byte chunks by
     every thread of the block (:func:`~nbflash._tiles.make_tc_tile_storer`; rows past ``seqlen`` and head-dim
     padding skipped).  The caller meets the block before staging (nothing reads the tile any more) and between
     the two (every warp's rows are in place)."""
     PITCH, SLICED = cfg.pitch, cfg.slices > 1
-    pack = I.pack_f16x2 if cfg.input_kind == "float16" else I.pack_bf16x2  # the first value in the low half
+    stage = make_pair_stager(cfg.input_kind, PITCH, m_tiles, n_tiles)
     rows_of = make_tc_tile_storer(rows, cfg.threads, cfg.head_dim, make_padded_offset(PITCH),
                                   slice_cols=cfg.slice_cols if SLICED else 0)
-    u32 = numba.uint32
-
-    @device_function
-    def stage(smem32, offset, acc, sc, row_g, col_l0, t):
-        for m in range(m_tiles):
-            for r in range(2):
-                word = u32((offset + (row_g + 16 * m + 8 * r) * PITCH + col_l0 + 2 * t) // 2)
-                for n in range(n_tiles):
-                    x = m * n_tiles + n
-                    smem32[word + u32(4 * n)] = pack(acc[x, 2 * r] * sc, acc[x, 2 * r + 1] * sc)
 
     if SLICED:
         return stage, rows_of
@@ -1616,10 +1607,8 @@ def can_implement(cfg: TCBackwardConfig, *arrays) -> tuple[bool, str]:
         if need > limit:
             return False, f"the {name} kernel needs {need} bytes of shared memory per block, the device allows {limit}"
     # do, q, k, v are copied by cp.async; with ``staged_out`` the gradients are written in 16-byte chunks
-    why = tile_rows_problem(cfg.head_dim, ("do", "q", "k", "v", "o", "dq", "dk", "dv"), arrays, copied=4)
-    if not why and cfg.staged_out:
-        why = next(filter(None, (chunked_rows_problem(name, a, 2) for name, a in zip(("dq", "dk", "dv"), arrays[5:8],
-                                                                                    strict=False))), "")
+    why = tile_rows_problem(cfg.head_dim, ("do", "q", "k", "v", "o", "dq", "dk", "dv"), arrays, copied=4,
+                            written=("dq", "dk", "dv") if cfg.staged_out else ())
     return not why, why
 
 

@@ -224,8 +224,8 @@ from ._device import (
     syncwarp,
     warp_uniform,
 )
-from ._tiles import LOG2E, HeadDimSlices, make_padded_offset, make_tc_tile_storer
-from ._validate import array_module, chunked_rows_problem, tile_rows_problem
+from ._tiles import LOG2E, HeadDimSlices, make_padded_offset, make_pair_stager, make_tc_tile_storer
+from ._validate import array_module, tile_rows_problem
 from .forward_tc import fragment_steps
 from .forward_wgmma import PANEL, REGISTERS, no_maps, rs_product, ss_product, supported_device, swizzled_tile_loader
 from .masking import d_key_range, d_query_range, d_row_key_end, d_tile_needs_mask
@@ -490,18 +490,15 @@ def staged_row_writer(cfg: WGBackwardConfig):
     ``trace-dkdv-H100-2026-12-06-s33.json``).
     """
     SLICE = cfg.slice_cols
-    D_TILES, OUT_PITCH = SLICE // 8, SLICE + 8
+    OUT_PITCH = SLICE + 8
     assert OUT_PITCH <= 2 * cfg.d_smem
-    pack = I.pack_f16x2 if cfg.input_kind == "float16" else I.pack_bf16x2  # the first value in the low half
+    stage = make_pair_stager(cfg.input_kind, OUT_PITCH, 1, SLICE // 8)
     store = make_tc_tile_storer(16, 32, cfg.head_dim, make_padded_offset(OUT_PITCH), slice_cols=SLICE)
     u32 = numba.uint32
 
     @device_function
     def write(smem, smem32, warp, g, t, lane, acc, sc, dst, b, h, row_first, seqlen, c0):
-        word = u32((16 * warp + g) * (OUT_PITCH // 2) + t)  # the thread's row g, pair t (32-bit words)
-        for r in range(2):
-            for n in range(D_TILES):
-                smem32[word + u32(r * 4 * OUT_PITCH + 4 * n)] = pack(acc[n, 2 * r] * sc, acc[n, 2 * r + 1] * sc)
+        stage(smem32, 0, acc, sc, 16 * warp + g, 0, t)
         syncwarp()  # the warp's pairs are in place before its lanes read other lanes' chunks
         store(smem, u32(16 * warp * OUT_PITCH), dst, b, h, row_first, seqlen, lane, c0)
 
@@ -1189,10 +1186,8 @@ def can_implement(cfg: WGBackwardConfig, *arrays, atomic: bool = False) -> tuple
         return False, f"needs {need} bytes of shared memory per block, the device allows {limit}"
     # do, q, k, v are copied by cp.async; o is read by the SIMT preprocess; the gradients are written in
     # 16-byte chunks (the kernels' last step)
-    why = tile_rows_problem(cfg.head_dim, ("do", "q", "k", "v", "o", "dq", "dk", "dv"), arrays, copied=4)
-    if not why:
-        why = next(filter(None, (chunked_rows_problem(name, a, 2) for name, a in zip(("dq", "dk", "dv"), arrays[5:8],
-                                                                                    strict=False))), "")
+    why = tile_rows_problem(cfg.head_dim, ("do", "q", "k", "v", "o", "dq", "dk", "dv"), arrays, copied=4,
+                            written=("dq", "dk", "dv"))
     if not why and cfg.dkdv_ws:  # the dK/dV kernel copies them by TMA: strides of whole 16-byte units
         why = next(filter(None, (T.stride_problem(name, a) for name, a in zip(("do", "q", "k", "v"), arrays,
                                                                               strict=False))), "")
