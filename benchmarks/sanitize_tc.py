@@ -7,6 +7,10 @@
     compute-sanitizer --tool racecheck python benchmarks/sanitize_tc.py --wgmma-forward   # the Hopper forward only
     compute-sanitizer --tool racecheck python benchmarks/sanitize_tc.py --wgmma-backward  # the Hopper backward only
 
+Under the tool every kernel compiles far slower: run the same command once without it first, with the same
+``NUMBA_CACHE_DIR``, so that the tool's run loads the kernels from the disk cache.  (``warm_cache.py`` does not
+do for this: its calls are bhsd, and these bshd views are another array type, so other compiled kernels.)
+
 The ``mma.sync`` forward and backward (both dQ routes) at head dims 40, 64, 128 and 256 (40: padded to 48
 in shared memory; 256: two 128-column slices per key tile; the forward also with 300 queries, so that a whole
 query tile sees no key),

@@ -269,8 +269,9 @@ class TCBackwardConfig(HeadDimSlices):
     # warp packs its dK_j · scale and dV_j pairs over the K_j, V_j tiles (dQ_i · scale over Q_i), then the block
     # writes whole 16-byte chunks of rows, instead of two 16-bit stores per pair from the accumulators.  The
     # Hopper backward's same change took its dK/dV kernel's last step from 14 to 2.0 µs a block at D = 128 (H100,
-    # 2026-12-06); here it is simulator-tested and not yet timed, so off.  dq, dk and dv must then have rows of
-    # whole, aligned 16-byte chunks (:func:`can_implement`).
+    # 2026-12-06).  :func:`choose_config` turns it on above D = 128 (measured +1 % to +8 % at D = 256); up to
+    # D = 128 it is not timed, so off.  dq, dk and dv must then have rows of whole, aligned 16-byte chunks
+    # (:func:`can_implement`).
     staged_out: bool = False
 
     def __post_init__(self):
@@ -1522,7 +1523,14 @@ def choose_config(
     FlashAttention-2 202 / 247 / 261 (the slices redo Sᵀ and dPᵀ: 1.5× the
     matrix work).  Where a block gets less shared memory: 64 × 32 (141 KB),
     then 32 × 16 (69 KB).  Head dims that are not multiples of 16 take the
-    tiles of the padded one.
+    tiles of the padded one.  These sliced configurations write their
+    gradients through shared memory in 16-byte chunks (``staged_out``; it
+    takes no more shared memory).  On an H100 at D = 256
+    (``tc-backward-NVIDIA-H100-80GB-HBM3-2026-12-06-s34-mma-staged.json``, bf16,
+    N = 2k / 4k / 16k, same run) it measured +2 % to +8 % on the deterministic
+    route (117 / 119 / 121 against 111 / 115 / 118 TFLOP/s non-causal, 100 /
+    110 / 122 against 92 / 105 / 119 causal) and +1 % to +6 % on the atomic
+    one.  Up to D = 128 it stays off: not timed there.
 
     In the simulator: 2 warps (32 keys) and 16-query tiles, so that short
     sequences cross tile edges with few Python threads; D = 32 there takes the
@@ -1553,16 +1561,18 @@ def _choose_config(
     d_pad = -(-head_dim // 16) * 16
     slices = -(-d_pad // 128)  # blocks per row tile: the gradient columns of a block at most 128
     d_slice = 0 if slices == 1 else -(-d_pad // (16 * slices)) * 16
+    # Above D = 128 (slices) the last step goes through shared memory (staged_out): measured +1 % to +8 % at D = 256.
+    staged = slices > 1
     if simulator:
         return TCBackwardConfig(16, 32, head_dim, input_kind, kv_in_registers=head_dim != 32 and slices == 1,
-                                vector_red=vector_red, d_slice=d_slice)
+                                vector_red=vector_red, d_slice=d_slice, staged_out=staged)
     if slices > 1:
         # D > 128: 32-row streamed tiles keep the slice's dK, dV (128 registers at a 128-column slice), Sᵀ and dPᵀ
         # and one group of fragments within 255 registers (238).  8 warps, 128 keys × 32 queries (208 KB of
         # shared memory at D = 256, the atomic route's), where the GPU allows it; else 64 × 32 (141 KB), 32 × 16.
         for m, n in ((32, 128), (32, 64), (16, 32)):
             cfg = TCBackwardConfig(m, n, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red,
-                                   d_slice=d_slice)
+                                   d_slice=d_slice, staged_out=staged)
             if max_shared is None or max(shared_bytes(cfg, name) for name in KERNELS) <= max_shared:
                 break
         return cfg
@@ -1737,12 +1747,11 @@ def compile_targets(cc: tuple[int, int] = (9, 0)):
                      for d in (64, 128))
         after = dataclasses.replace(a128, dq_before_dk=False)  # (its step 2' is a128's: the order does not enter it)
         targets += [("dq_convert_tiled", a64), ("dq_convert_tiled", a128), ("dkdv_atomic", after)]
-    # ``staged_out`` (off until timed; one kind): the float16 defaults' kernels at D = 128, the atomic route's too,
-    # and at D = 256 (slices).
-    for d in (128, 256):
-        cfg, atomic = (dataclasses.replace(choose_config(d, "float16", simulator=False, cc=cc, max_shared=227 * 1024,
-                                                         atomic=a), staged_out=True) for a in (False, True))
-        targets += [("dkdv", cfg), ("dq", cfg)] + ([("dkdv_atomic", atomic)] if d == 128 else [])
+    # ``staged_out`` where it is off (not timed up to D = 128; one kind): the float16 defaults' kernels at D = 128,
+    # the atomic route's too.  (Above D = 128 the defaults above have it.)
+    cfg, atomic = (dataclasses.replace(choose_config(128, "float16", simulator=False, cc=cc, max_shared=227 * 1024,
+                                                     atomic=a), staged_out=True) for a in (False, True))
+    targets += [("dkdv", cfg), ("dq", cfg), ("dkdv_atomic", atomic)]
     return [
         (f"flash_backward_{name}_tc", cfg, _kernel(cfg, name), kernel_signature(cfg, name), True)
         for name, cfg in targets
