@@ -23,7 +23,7 @@ import sys
 sys.path.insert(0, os.getcwd())
 import torch  # noqa: E402
 
-from benchmarks.tc_backward import W, api, as_cupy, ref_grads, run_cfg, worst_element  # noqa: E402
+from benchmarks.tc_backward import DTYPES, KIND, W, api, as_cupy, ref_grads, run_cfg, worst_element  # noqa: E402
 
 
 def shape(spec: str):
@@ -38,7 +38,7 @@ ap.add_argument("tag")
 ap.add_argument("--dims", default="128,64")
 ap.add_argument("--shapes", default="200x97c,97x97,97x128c", help="seqlen_q x seqlen_k, c: causal")
 ap.add_argument("--routes", default="atomic,det", help="atomic, det (D = 64 has the atomic route only)")
-ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+ap.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
 ap.add_argument("--batch", type=int, default=2)
 ap.add_argument("--heads", type=int, default=3)
 ap.add_argument("--repeats", type=int, default=200)
@@ -47,7 +47,7 @@ ap.add_argument("--seed0", type=int, default=100)
 ap.add_argument("--flag", type=float, default=1.8, help="log inputs whose err/naive passes this")
 ap.add_argument("--reruns", type=int, default=50)
 args = ap.parse_args()
-dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+dtype = DTYPES[args.dtype]
 
 
 def inputs(seed, n_q, n_k, d, causal):
@@ -61,7 +61,7 @@ def inputs(seed, n_q, n_k, d, causal):
 
 out = {}
 for d in (int(x) for x in args.dims.split(",")):
-    cfg = W.choose_config(d, {"bf16": "bfloat16", "fp16": "float16"}[args.dtype], simulator=False)
+    cfg = W.choose_config(d, KIND[dtype], simulator=False)
     for n_q, n_k, causal in (shape(s) for s in args.shapes.split(",")):
         for det in (r == "det" for r in args.routes.split(",")):
             if det and d == 64:
