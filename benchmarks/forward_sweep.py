@@ -347,6 +347,12 @@ def environment():
             pass
     import numba_cuda
 
+    try:  # what links the kernels (link-time optimisation) and runs ptxas on them
+        from cuda.bindings import nvjitlink
+
+        linker = ".".join(map(str, nvjitlink.version()))
+    except Exception:  # absent or unloadable: say so rather than fail the benchmark
+        linker = "unavailable"
     return dict(
         device=dev["name"].decode(),
         cc=f"{dev['major']}.{dev['minor']}",
@@ -356,6 +362,7 @@ def environment():
         cupy=cp.__version__,
         torch=torch.__version__,
         numpy=np.__version__,
+        nvjitlink=linker,
         commit=commit or "unknown",
         date=datetime.date.today().isoformat(),
     )

@@ -8,8 +8,12 @@
     compute-sanitizer --tool racecheck python benchmarks/sanitize_tc.py --wgmma-backward  # the Hopper backward only
 
 Under the tool every kernel compiles far slower: run the same command once without it first, with the same
-``NUMBA_CACHE_DIR``, so that the tool's run loads the kernels from the disk cache.  (``warm_cache.py`` does not
-do for this: its calls are bhsd, and these bshd views are another array type, so other compiled kernels.)
+``NUMBA_CACHE_DIR``, so that the tool's run loads the kernels from the disk cache.  That plain pass compiles
+one kernel after another (``--wgmma-backward`` took over 270 s on an H100 machine beside other work, 2026-12-06);
+``warm_cache.py --layouts bshd`` compiles the same array types (strided bshd views) in parallel processes first,
+e.g. ``--dtypes fp16 --dims 40,64,96,128 --backends wgmma --routes default,deterministic --layouts bshd`` for
+``--wgmma-backward`` (not yet tried before the tool).  Its default bhsd calls are contiguous, another array type,
+so other compiled kernels.
 
 The ``mma.sync`` forward and backward (both dQ routes) at head dims 40, 64, 128 and 256 (40: padded to 48
 in shared memory; 256: two 128-column slices per key tile; the forward also with 300 queries, so that a whole
@@ -21,10 +25,10 @@ routes; the forward's producer copies by TMA), the forward that copies with cp.a
 last ones its general path; the ``mma.sync`` forward's O goes out through shared memory (16-byte
 stores), the ``wgmma`` forward's through the packed-pair epilogue.
 
-``--wgmma-forward`` (sm_90): only the ``wgmma`` forward's TMA picks at D = 64 and 128 (and D = 64's long-sequence
-one), each persistent (one block per multiprocessor) and not, at 2 × 16 heads × 1100 rows (more work chunks than
-multiprocessors, so persistent blocks take several, causal ones in pairs) and at 300 queries over 131 keys (items that
-see no key), causal and not.
+``--wgmma-forward`` (sm_90): only the ``wgmma`` forward's TMA picks at D = 64 and 128 (and D = 64's two
+long-sequence ones, the non-causal one with three consumer warpgroups), each persistent (one block per
+multiprocessor) and not, at 2 × 16 heads × 1100 rows (more work chunks than multiprocessors, so persistent blocks
+take several, causal ones in pairs) and at 300 queries over 131 keys (items that see no key), causal and not.
 
 ``--wgmma-backward`` (sm_90): only the ``wgmma`` backward's defaults (the warp-specialised dK/dV kernel, copying
 by TMA) at D = 40, 64, 96 and 128, by both dQ routes, causal and not, on bshd views at 150 and 300 queries over
@@ -85,10 +89,12 @@ if "--wgmma-backward" in sys.argv[1:]:
     sys.exit(0)
 if "--wgmma-forward" in sys.argv[1:]:
     for d in (64, 128):
-        for long_keys in (False, True) if d == 64 else (False,):
+        # At D = 64 also the long-sequence picks: 128 × 192 (causal) and three consumers, 192 × 128 (non-causal;
+        # always one block per item, whatever ``persistent`` asks).
+        for long_keys, pick_causal in ((False, True), (True, True), (True, False)) if d == 64 else ((False, True),):
             for persistent in (True, False):
                 cfg = forward_wgmma.choose_config(d, "float16", simulator=False, long_keys=long_keys,
-                                                  persistent=persistent)
+                                                  persistent=persistent, causal=pick_causal)
                 for (b, h, n_q, n_k), causal in [((2, 16, 1100, 1100), False), ((2, 16, 1100, 1100), True),
                                                  ((1, 4, 300, 131), True)]:
                     q = cp.random.standard_normal((b, h, n_q, d)).astype(cp.float16)

@@ -80,7 +80,11 @@ WG_CANDIDATES = {
          (128, 192, "ws-overlap:4:tma:r"), (128, 128, "ws:2:tma::p"), (128, 192, "ws-overlap:3:tma:r:p"),
          (128, 192, "ws-overlap:2:tma:r:p:s"), (128, 192, "ws-overlap:3:tma:r:p:s"), (128, 128, "ws:2:tma::p:s"),
          (128, 192, "ws-overlap:3:tma:r:p::pin"), (128, 128, "ws-overlap:3:tma:r:p::pin"),
-         (128, 128, "ws-overlap:3:tma:r:p")],
+         (128, 128, "ws-overlap:3:tma:r:p"),
+         # three consumer warpgroups (FlashAttention-3's D = 64 shape; 192 × 160 and wider spill, offline)
+         (192, 128, "ws-overlap:3:tma:r:p"), (192, 128, "ws-overlap:3:tma:r"), (192, 128, "ws-overlap:4:tma:r:p"),
+         (192, 128, "ws-overlap:2:tma:r:p:s"),
+         (192, 128, "ws:2:tma:r:p")],
     128: [(128, 128, "plain"), (128, 128, "overlap"), (128, 64, "overlap"), (64, 128, "overlap"),
           (128, 128, "pingpong"), (128, 64, "pingpong"), (128, 128, "ws:2"), (128, 128, "ws:3"), (128, 64, "ws:3"),
           (128, 64, "ws:4"), (128, 192, "ws:2"), (128, 128, "ws-overlap:3"), (128, 128, "ws-overlap:4"),
@@ -91,7 +95,9 @@ WG_CANDIDATES = {
           (128, 128, "ws-overlap:3:tma:r:p:s"), (128, 176, "ws-overlap:2:tma:r:p:s"),
           (128, 160, "ws-overlap:2:tma:r:p:s"), (128, 176, "ws-overlap:2:tma:r::s"),
           (128, 128, "ws-overlap:3:tma:r::s"), (128, 128, "ws-overlap:3:tma:r:p::pin"),
-          (128, 192, "ws-overlap:2:tma:r:p:s")],
+          (128, 192, "ws-overlap:2:tma:r:p:s"),
+          # three consumer warpgroups: 192 × 64 fits 160 registers (192 × 80 spills, offline)
+          (192, 64, "ws-overlap:3:tma:r:p"), (192, 64, "ws-overlap:4:tma:r:p")],
     256: [(128, 64, "overlap"), (128, 64, "ws:2"), (128, 32, "ws:3")],
 }
 
@@ -341,6 +347,9 @@ def main():
         "no check-only dims",
     )
     ap.add_argument("--suffix", default="", help="appended to the JSON's file name")
+    ap.add_argument("--shapes", default="",
+                    help="time these batch x heads x N (e.g. 8x32x2048,1x256x2048) instead of --seqlens at "
+                         "batch·N = 16k, heads·D = 2048")
     ap.add_argument("--jobs", type=int, default=1,
                     help="compile the candidates first in this many processes (through the disk cache)")
     ap.add_argument("--compile-part", help=argparse.SUPPRESS)  # i/n: compile every n-th candidate from i, and exit
@@ -348,6 +357,11 @@ def main():
     dtypes = [{"bf16": torch.bfloat16, "fp16": torch.float16}[s] for s in args.dtypes.split(",")]
     dims = [int(x) for x in args.dims.split(",")]
     seqlens = [int(x) for x in args.seqlens.split(",") if x]
+    try:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
+        assert all(len(s) == 3 and min(s) > 0 for s in shapes)
+    except (ValueError, AssertionError):
+        ap.error(f"--shapes: expected batch x heads x N, comma-separated (e.g. 8x32x2048), got {args.shapes!r}")
     lines = []
 
     def log(msg):
@@ -402,8 +416,7 @@ def main():
     for d in dims:
         for dt in dtypes:
             for causal in (False, True):
-                for n in seqlens:
-                    b, h = max(1, 16384 // n), 2048 // d
+                for b, h, n in shapes or [(max(1, 16384 // n), 2048 // d, n) for n in seqlens]:
                     sets = [tuple(torch.randn(b, h, n, d, device="cuda", dtype=dt) for _ in range(3)) for _ in range(3)]
                     fl = 4.0 * b * h * n * n * d / (2 if causal else 1)
                     row = {"dtype": str(dt).split(".")[-1], "D": d, "causal": causal, "N": n, "B": b, "H": h}

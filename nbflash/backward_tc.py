@@ -1530,7 +1530,11 @@ def choose_config(
     N = 2k / 4k / 16k, same run) it measured +2 % to +8 % on the deterministic
     route (117 / 119 / 121 against 111 / 115 / 118 TFLOP/s non-causal, 100 /
     110 / 122 against 92 / 105 / 119 causal) and +1 % to +6 % on the atomic
-    one.  Up to D = 128 it stays off: not timed there.
+    one.  At D = 128 too (``…-2026-12-06-s35-mma-staged-d128.json``, bf16,
+    N = 1k … 16k causal and not, checked first), geomean TFLOP/s: 208.5
+    against 197.3 deterministic (64 × 64), 266.1 against 252.7 atomic (the
+    bulk-reduction grid tiles), so every configuration above a padded D of
+    64 has it.  At D <= 64 it stays off: not timed there.
 
     In the simulator: 2 warps (32 keys) and 16-query tiles, so that short
     sequences cross tile edges with few Python threads; D = 32 there takes the
@@ -1561,8 +1565,9 @@ def _choose_config(
     d_pad = -(-head_dim // 16) * 16
     slices = -(-d_pad // 128)  # blocks per row tile: the gradient columns of a block at most 128
     d_slice = 0 if slices == 1 else -(-d_pad // (16 * slices)) * 16
-    # Above D = 128 (slices) the last step goes through shared memory (staged_out): measured +1 % to +8 % at D = 256.
-    staged = slices > 1
+    # Above D = 64 the last step goes through shared memory (staged_out): measured +1 % to +8 % at D = 256 and +4 %
+    # to +8 % at D = 128 (both routes); at D <= 64 not timed.
+    staged = d_pad > 64
     if simulator:
         return TCBackwardConfig(16, 32, head_dim, input_kind, kv_in_registers=head_dim != 32 and slices == 1,
                                 vector_red=vector_red, d_slice=d_slice, staged_out=staged)
@@ -1581,22 +1586,25 @@ def _choose_config(
     bulk = dict(bulk_dq=True, dq_before_dk=True) if cc is not None and cc >= (9, 0) and d_pad in (64, 128) else {}
     if atomic and d_pad == 64:  # FlashAttention-2's D = 64 tiles: 128 queries × 128 keys, dQ's warps 4 × 4
         red = TCBackwardConfig(128, 128, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red,
-                               warps_keys=4, warps_dq_rows=4)
+                               warps_keys=4, warps_dq_rows=4, staged_out=staged)
         for cfg in ([dataclasses.replace(red, **bulk)] if bulk else []) + [red]:
             if max_shared is None or shared_bytes(cfg, "dkdv_atomic") <= max_shared:
                 return cfg
     if atomic and d_pad > 64:
         chunks = d_pad // 16
-        candidates = [TCBackwardConfig(64, 128, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red)]
+        candidates = [TCBackwardConfig(64, 128, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red,
+                                       staged_out=staged)]
         if chunks % 2 == 0:  # FlashAttention-2's warp grid where its warps split the head dim evenly
             grid = dataclasses.replace(candidates[0], warps_keys=4, warps_dq_rows=2 if chunks % 4 == 0 else 4)
             candidates[:0] = ([dataclasses.replace(grid, **bulk)] if bulk else []) + [grid]
         for cfg in candidates:
             if max_shared is None or shared_bytes(cfg, "dkdv_atomic") <= max_shared:
                 return cfg
-    cfg = TCBackwardConfig(64, 64, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red)
+    cfg = TCBackwardConfig(64, 64, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red,
+                           staged_out=staged)
     if max_shared is not None and max(shared_bytes(cfg, name) for name in KERNELS) > max_shared:
-        cfg = TCBackwardConfig(32, 64, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red)
+        cfg = TCBackwardConfig(32, 64, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red,
+                               staged_out=staged)
     return cfg
 
 
@@ -1747,9 +1755,9 @@ def compile_targets(cc: tuple[int, int] = (9, 0)):
                      for d in (64, 128))
         after = dataclasses.replace(a128, dq_before_dk=False)  # (its step 2' is a128's: the order does not enter it)
         targets += [("dq_convert_tiled", a64), ("dq_convert_tiled", a128), ("dkdv_atomic", after)]
-    # ``staged_out`` where it is off (not timed up to D = 128; one kind): the float16 defaults' kernels at D = 128,
-    # the atomic route's too.  (Above D = 128 the defaults above have it.)
-    cfg, atomic = (dataclasses.replace(choose_config(128, "float16", simulator=False, cc=cc, max_shared=227 * 1024,
+    # ``staged_out`` where it is off (not timed at D <= 64; one kind): the float16 defaults' kernels at D = 64, the
+    # atomic route's too.  (Above D = 64 the defaults above have it.)
+    cfg, atomic = (dataclasses.replace(choose_config(64, "float16", simulator=False, cc=cc, max_shared=227 * 1024,
                                                      atomic=a), staged_out=True) for a in (False, True))
     targets += [("dkdv", cfg), ("dq", cfg), ("dkdv_atomic", atomic)]
     return [

@@ -139,8 +139,9 @@ softmax with its P V, as in ``"overlap"``: its turn issues S_j and
 O += P_{j-1} V_{j-1} together.  Tile j - 1 is released only after that P V,
 hence a third stage.  It needs about 200 registers per thread, so it takes
 ``setmaxnreg`` (without it, 168 registers: spills, and ptxas serialises the
-wgmmas).  The default with TMA up to D = 128: 128 × 128 tiles, and
-128 × 192 at D <= 64 for long sequences.
+wgmmas).  The default with TMA up to D = 128: 128 × 128 tiles, and at
+D <= 64 for long sequences 128 × 192 (causal) or, with three consumers,
+192 × 128 (non-causal; below).
 
 What makes the overlap real is the shape of the code, not only the order of
 the calls.  ptxas waits for every wgmma in flight at the first basic-block
@@ -184,6 +185,27 @@ D = 128, room for wider 128 × 176 tiles (208 KB)::
     producer:   … EMPTY(K_{j-1}) ─ K_{j+1} ─ VEMPTY(V_{j-1}) ─ V_{j+1} …
     consumers:  S_j, P_{j-1}V_{j-1} issued ─ S_j landed: release K_j ─ softmax ─ P V landed: release V_{j-1}
 
+**Three consumers** (``block_m=192``, ws pipelines; FlashAttention-3's
+shape at D = 64).  Three warpgroups of 64 query rows take turns in a ring:
+warpgroup w waits at named barrier ``TURN_0 + w`` and hands on at the next
+one's, the last warpgroup's first arrival gives warpgroup 0 the first turn,
+and warpgroup 0 takes the last hand-over at the end.  Each barrier counts
+the warpgroup that waits and the one that hands on (256 threads), whatever
+the ring's size.  Each K/V tile now serves 192 queries rather than 128, and
+between two of a warpgroup's turns the tensor cores run two other
+warpgroups' products instead of one, so its softmax has longer to hide under
+them.  The price is registers: 512 threads leave 128 each, and the producer
+gives all but 32 to the consumers, 160 each (``setmaxnreg``).  At D = 64 a
+consumer then holds O (32), S_j (N / 2) and P_{j-1} (N / 4): N = 128 keys
+fits, 192 does not::
+
+    tensor cores: S(wg0) PV(wg0) | S(wg1) PV(wg1) | S(wg2) PV(wg2) | S(wg0) …
+    warpgroup 0:  issue          | softmax of S_j                  | issue …
+
+On an H100 it is the pick for long non-causal calls at D <= 64
+(:func:`choose_config`), with one block per work item: persistent blocks
+made the same kernel 13–16 % slower at 2k–4k keys, a cause not yet measured.
+
 **Work items and persistent blocks** (the ws pipelines).  Their grid is
 1-D: a *work item* is one query tile of one (batch, head)
 (:func:`work_item`), items run head by head, and a block takes *chunks* of
@@ -210,7 +232,7 @@ last P V and write O::
 The turns run on across items too.  Every stage and every Q_i is released
 whether or not it is refilled, and the producer takes the releases nobody
 refilled before it exits, so that every named barrier's counts match.
-Warpgroup 0 takes back the turn that warpgroup 1 hands on at the very end.
+Warpgroup 0 takes back the turn that the last warpgroup hands on at the very end.
 The cp.async producer keeps one item per block.
 
 Requires sm_90a.  Constraints (:func:`can_implement`) as for the ``mma.sync``
@@ -263,9 +285,13 @@ PANEL = 64  # head-dim columns per 128-byte swizzled line
 PIPELINES = ("plain", "overlap", "pingpong", "ws", "ws-overlap")
 PRODUCER_THREADS = 128  # the ws pipeline's copying warpgroup
 COPIES = ("cp.async", "tma")  # the ws producer's copy instructions
-#: ws with ``setmaxnreg``: registers per thread of the producer and of each consumer warpgroup after the move
-#: (FlashAttention-3's split; 128 · 24 + 256 · 240 = 64512 of the SM's 65536).
-REGISTERS = (24, 240)
+#: ws with ``setmaxnreg``: registers per thread of the producer and of each consumer warpgroup after the move,
+#: by the number of consumer warpgroups (FlashAttention-3's splits: 128 · 24 + 256 · 240 = 64512 of the SM's 65536
+#: with two, 128 · 32 + 384 · 160 = 65536 with three).
+REGISTER_SPLITS = {2: (24, 240), 3: (32, 160)}
+REGISTERS = REGISTER_SPLITS[2]  # two consumers (the backward's dK/dV kernel)
+#: Named barriers a block may use (ids 0 … 15; 0 is ``syncthreads``'s).
+NAMED_BARRIERS = 16
 
 
 @dataclass(frozen=True)
@@ -283,7 +309,7 @@ class WGConfig:
     pipeline: str = "overlap"  # one of PIPELINES: the schedules of the module docstring
     stages: int = 2  # K/V buffers of the warp-specialised pipelines ("ws": 2 to 4, "ws-overlap": 3 or 4)
     copies: str = "cp.async"  # how the ws producer copies: "cp.async" (16 bytes per thread) or "tma" (one box each)
-    setmaxnreg: bool = False  # ws: the producer gives registers to the consumers (REGISTERS: 24 and 240 per thread)
+    setmaxnreg: bool = False  # ws: the producer gives registers to the consumers (REGISTER_SPLITS, per thread)
     # True: O rescaled only when a row's max moves by > 2^8 (forward_tc.fragment_steps); off by default: every tile
     # rescaled measured 1–2 % faster at D = 128 (tc-forward-NVIDIA-H200-2026-12-03-lazy*.json).
     lazy_rescale: bool = False
@@ -311,9 +337,12 @@ class WGConfig:
             raise ValueError(f"input_kind must be 'float16' or 'bfloat16', got {self.input_kind!r}")
         if self.pipeline not in PIPELINES:
             raise ValueError(f"pipeline must be one of {PIPELINES}, got {self.pipeline!r}")
-        if self.pipeline in ("pingpong", "ws", "ws-overlap") and self.block_m != 128:
-            raise ValueError(f"the {self.pipeline} pipeline takes turns between two warpgroups: block_m must be "
-                             f"128, got {self.block_m}")
+        if self.pipeline == "pingpong" and self.block_m != 128:
+            raise ValueError(f"the pingpong pipeline takes turns between two warpgroups: block_m must be 128, got "
+                             f"{self.block_m}")
+        if self.pipeline in ("ws", "ws-overlap") and self.block_m not in (128, 192):
+            raise ValueError(f"the {self.pipeline} pipeline takes turns among two or three consumer warpgroups: "
+                             f"block_m must be 128 or 192, got {self.block_m}")
         if self.pipeline == "ws" and self.stages not in (2, 3, 4):
             raise ValueError(f"the ws pipeline has 2 to 4 K/V stages, got stages={self.stages}")
         if self.pipeline == "ws-overlap" and self.stages not in ((2, 3, 4) if self.split_kv else (3, 4)):
@@ -339,6 +368,10 @@ class WGConfig:
         if not self.warp_specialized and self.stages != 2:
             raise ValueError(f"stages applies to the ws pipeline only (the {self.pipeline} pipeline fixes its "
                              f"buffers), got stages={self.stages}")
+        if self.named_barriers > NAMED_BARRIERS:
+            raise ValueError(f"{self.warpgroups} consumer warpgroups with {self.stages} stages"
+                             f"{' and split_kv' if self.split_kv else ''} need {self.named_barriers} named barriers, "
+                             f"a block has {NAMED_BARRIERS}: take fewer stages")
 
     @property
     def kv_buffers(self) -> int:
@@ -358,6 +391,25 @@ class WGConfig:
     @property
     def threads(self) -> int:
         return HW.WARPGROUP * self.warpgroups + (PRODUCER_THREADS if self.warp_specialized else 0)
+
+    @property
+    def turns(self) -> int:
+        """Named barriers of the turn-taking schedules, one per warpgroup that takes turns ("warpgroup w may
+        issue"): every consumer in ws, two otherwise (pingpong; the others do not wait for turns)."""
+        return self.warpgroups if self.warp_specialized else 2
+
+    @property
+    def named_barriers(self) -> int:
+        """Named barrier ids the kernel uses, 0 (``syncthreads``) included: the turns, then in ws FULL + s and
+        EMPTY + s per stage, QEMPTY, and with ``split_kv`` VEMPTY + s per stage (:func:`forward_wgmma_kernel`)."""
+        if not self.warp_specialized:
+            return 1 + self.turns
+        return 1 + self.turns + 2 * self.stages + 1 + (self.stages if self.split_kv else 0)
+
+    @property
+    def register_split(self) -> tuple[int, int]:
+        """``setmaxnreg``: registers per thread of the producer and of each consumer (:data:`REGISTER_SPLITS`)."""
+        return REGISTER_SPLITS[self.warpgroups]
 
     @property
     def d_pad(self) -> int:
@@ -518,11 +570,14 @@ def _forward_wgmma_kernel(cfg: WGConfig):
     PLAIN = cfg.pipeline == "plain"
     WS = cfg.warp_specialized  # "ws" or "ws-overlap": a producer warpgroup, named-barrier handshakes
     WSO = cfg.pipeline == "ws-overlap"
-    TURN_0, TURN_1, PAIR = 1, 2, 2 * HW.WARPGROUP  # named barriers: "warpgroup 0 / 1 may issue"; both count
+    # Named barriers TURN_0 + w: "warpgroup w may issue"; the warpgroup that waits and the one that hands on count.
+    TURN_0, PAIR, TURNS = 1, 2 * HW.WARPGROUP, cfg.turns
     STAGES = cfg.kv_buffers
     WARPGROUPS = cfg.warpgroups
     CONSUMERS = HW.WARPGROUP * WARPGROUPS  # threads that compute; in ws the producer warpgroup comes after them
-    FULL, EMPTY = 3, 3 + STAGES  # ws: named barriers FULL + s ("stage s has landed"), EMPTY + s ("... is free")
+    # ws: named barriers FULL + s ("stage s has landed") and EMPTY + s ("... is free"), after the turns'
+    FULL = TURN_0 + TURNS
+    EMPTY = FULL + STAGES
     HANDSHAKE = CONSUMERS + PRODUCER_THREADS  # ws: both sides count at FULL and EMPTY
     KV_STRIDE = BLOCK_N * D_PAD  # elements from one K (or V) buffer to the other
     steps = fragment_steps(N_TILES, D_TILES, D, cfg.input_kind, cfg.lazy_rescale)
@@ -533,7 +588,7 @@ def _forward_wgmma_kernel(cfg: WGConfig):
     LOAD_THREADS = PRODUCER_THREADS if WS else THREADS  # ws: only the producer warpgroup copies
     TMA = cfg.copies == "tma"  # ws: the producer's first thread copies whole boxes, mbarriers count the bytes
     SETMAXNREG = cfg.setmaxnreg  # ws: registers move from the producer to the consumers once the roles split
-    PRODUCER_REGS, CONSUMER_REGS = REGISTERS
+    PRODUCER_REGS, CONSUMER_REGS = cfg.register_split if SETMAXNREG else REGISTERS
     PANELS = D_PAD // PANEL  # TMA boxes per tile: one per 64-column panel (columns past D arrive as zeros)
     Q_BYTES, TILE_BYTES = BLOCK_M * D_PAD * 2, BLOCK_N * D_PAD * 2  # bytes of Q_i, of K_j (or of V_j)
     PIN = cfg.pin_softmax  # ws-overlap: the softmax of S_j pinned between the waits for S_j and for P V
@@ -542,8 +597,8 @@ def _forward_wgmma_kernel(cfg: WGConfig):
     VBAR = STAGES if SPLIT else 0  # TMA: V of stage s lands on bars[VBAR + s] (split), else with its K on bars[s]
     QBAR = N_BARS - 1  # TMA: the mbarrier of Q_i, after the stages' ("Q_i has landed"; phase n: the block's n-th item)
     QEMPTY = EMPTY + STAGES  # TMA: named barrier "both warpgroups are done with Q_i" (their item's last S)
-    # Named barriers "the V of stage s is free" (split: QEMPTY + 1 + s; with 4 stages the last is 15, the last there
-    # is); else V is freed with its K at EMPTY + s.
+    # Named barriers "the V of stage s is free" (split: QEMPTY + 1 + s; with two consumers and 4 stages the last is
+    # 15, the last there is: WGConfig.named_barriers); else V is freed with its K at EMPTY + s.
     VEMPTY = QEMPTY + 1 if SPLIT else EMPTY
 
     @device_function
@@ -753,7 +808,8 @@ def _forward_wgmma_kernel(cfg: WGConfig):
 
     overlap_tile, overlap_masked_tile = make_overlap_tile(False), make_overlap_tile(True)
 
-    # ws: 384 threads, so ptxas must keep to 65536 / 384 = 168 registers per thread (the launch bounds)
+    # ws: 384 threads (512 with three consumers), so ptxas must keep to 65536 / 384 = 168 (128) registers per thread
+    # (the launch bounds), and setmaxnreg moves them between the roles
     @kernel(fastmath=True, launch_bounds=(THREADS, 1) if WS else None)
     def flash_forward_wgmma(q, k, v, o, lse, qk_scale_log2, causal, maps):
         """One block: O_i and lse_i for BLOCK_M queries of one (batch, head); in ws, for each work item (a query
@@ -765,8 +821,10 @@ def _forward_wgmma_kernel(cfg: WGConfig):
         # This thread's warpgroup (rows 64·wg .. 64·wg + 63 of the tile; in ws, the last one copies), known to
         # the compiler as the same in every lane of a warp.
         wg = warp_uniform(tid // HW.WARPGROUP)
-        # Turn-taking schedules: the named barrier at which I wait for my turn, and the one I hand it on at.
-        mine, other = (TURN_0, TURN_1) if wg == 0 else (TURN_1, TURN_0)
+        # Turn-taking schedules: the named barrier at which I wait for my turn, and the one I hand it on at (the
+        # next warpgroup's, in a ring: 0 → 1 → 0 with two, 0 → 1 → 2 → 0 with three).
+        mine = TURN_0 + wg
+        other = mine + 1 if wg + 1 < TURNS else TURN_0
         lane = tid % 32
         g = lane // 4  # this thread's rows g and g + 8 of its warp's 16 ...
         t = lane % 4  # ... and columns 2t, 2t + 1 of every 8-column tile
@@ -917,8 +975,9 @@ def _forward_wgmma_kernel(cfg: WGConfig):
 
         if SETMAXNREG:
             HW.setmaxnreg_inc(CONSUMER_REGS)  # a consumer: take the registers the producer gave back
-        if WS and wg == 1:
-            HW.named_barrier_arrive(TURN_0, PAIR)  # ws: warpgroup 0 takes the first turn (it takes it back at the end)
+        if WS and wg == WARPGROUPS - 1:
+            # ws: the last warpgroup hands warpgroup 0 the first turn (warpgroup 0 takes the last hand-over at the end)
+            HW.named_barrier_arrive(TURN_0, PAIR)
 
         # ws, a consumer warpgroup: the block's items in turn; the turns and the stages run on across items.
         c = 0  # the block's tiles before this item
@@ -996,7 +1055,7 @@ def _forward_wgmma_kernel(cfg: WGConfig):
                     nq += 1
             ch += cuda.gridDim.x
         if WS and wg == 0 and not producer:
-            HW.named_barrier_sync(TURN_0, PAIR)  # warpgroup 1's last hand-over (its first, if no tile came)
+            HW.named_barrier_sync(TURN_0, PAIR)  # the last warpgroup's last hand-over (its first, if no tile came)
 
         for j in range(n_tiles if PINGPONG else 0):
             k_start = j * BLOCK_N
@@ -1120,13 +1179,28 @@ def _forward_wgmma_kernel(cfg: WGConfig):
 @functools.cache
 def choose_config(
     head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR, copies: str = "tma", long_keys: bool = False,
-    persistent: bool = True,
+    persistent: bool = True, causal: bool = True,
 ) -> WGConfig:
     """The configuration for a head dim (any multiple of 8 up to 256), chosen by the H200 sweeps.
 
     ``long_keys``: at least :data:`WSO_MIN_KEYS_D64` keys (it matters at D <= 64 only).  ``persistent``: the
     pipelines that copy with TMA get persistent blocks (:func:`config_for` turns them off for long non-causal
-    calls, :data:`PERSISTENT_MAX_KEYS`).
+    calls, :data:`PERSISTENT_MAX_KEYS`).  ``causal=False`` (it matters at D <= 64 with ``long_keys`` only):
+    the pick for non-causal calls.
+
+    Since 2026-12-06 (thirty-fifth session, H100, bf16; checked against
+    float64 first), non-causal calls at D <= 64 from :data:`WSO_MIN_KEYS_D64`
+    keys take three consumer warpgroups, 192 × 128 tiles (ws-overlap, 3
+    stages, TMA, ``setmaxnreg`` 32 / 160), one block per work item: 441 / 480
+    / 504 TFLOP/s at N = 2k / 4k / 16k against 437 / 464 / 477 for the
+    persistent 128 × 192 kernel in the same run, and 466 / 484 / 492 for
+    cuDNN (``tc-forward-NVIDIA-H100-80GB-HBM3-2026-12-06-s35-wg3-shapes.json``;
+    the same at batch 1 with 256 / 128 heads).  Persistent, the same kernel
+    was 13–16 % slower at 2k–4k (381 / 389) though 1 % faster at 16k (510).
+    Causal it was 6 % / 2 % slower at 2k / 4k (321 / 400 against 342 / 408),
+    so causal calls keep the 128 × 192 tiles.  Wider tiles (192 × 160 and up)
+    spill at 160 registers (offline, sm_90a); at D = 128, 192 × 64 tiles
+    measured 13–52 % slower than 128 × 128 (``…-s35-wg3.json``).
 
     Since the ws-overlap step was restructured (2026-12-05, module docstring),
     the 128 × 128 ws-overlap kernel also leads at D <= 64 below
@@ -1225,6 +1299,9 @@ def choose_config(
     if simulator:
         return WGConfig(64, 16, head_dim, input_kind)
     d_pad = -(-head_dim // PANEL) * PANEL
+    if d_pad <= 64 and long_keys and not causal and copies == "tma":
+        # Three consumer warpgroups (192 query rows), one block per work item: see above.
+        return WGConfig(192, 128, head_dim, input_kind, "ws-overlap", stages=3, copies="tma", setmaxnreg=True)
     if d_pad <= 128 and copies == "tma":
         block_n = 192 if d_pad <= 64 and long_keys else 128
         return WGConfig(128, block_n, head_dim, input_kind, "ws-overlap", stages=3, copies="tma", setmaxnreg=True,
@@ -1250,8 +1327,10 @@ def config_for(head_dim: int, input_kind: str, q, k, v, causal: bool = False) ->
     """:func:`choose_config`'s pick for these arrays (canonical ``(B, H, N, D)`` views or descriptors).
 
     ``long_keys`` is set from k's length (at D <= 64, from :data:`WSO_MIN_KEYS_D64`
-    keys on the 128 × 192 ws-overlap kernel runs); persistent blocks unless
-    the call is non-causal with :data:`PERSISTENT_MAX_KEYS` keys or more.
+    keys on, the 128 × 192 ws-overlap kernel runs causal calls and the
+    192 × 128 one with three consumers non-causal ones); persistent blocks
+    unless the call is non-causal with :data:`PERSISTENT_MAX_KEYS` keys or
+    more (or takes the three-consumer kernel).
 
     Where it copies with TMA, the best configuration that copies with
     ``cp.async`` instead when the TMA one cannot run on the arrays
@@ -1259,7 +1338,7 @@ def config_for(head_dim: int, input_kind: str, q, k, v, causal: bool = False) ->
     16 bytes, as for k and v broadcast over heads).
     """
     cfg = choose_config(head_dim, input_kind, long_keys=k.shape[2] >= WSO_MIN_KEYS_D64,
-                        persistent=bool(causal) or k.shape[2] < PERSISTENT_MAX_KEYS)
+                        persistent=bool(causal) or k.shape[2] < PERSISTENT_MAX_KEYS, causal=bool(causal))
     if cfg.copies == "tma" and not can_implement(cfg, q, k, v)[0]:
         cfg = choose_config(head_dim, input_kind, copies="cp.async")
     return cfg
@@ -1347,8 +1426,9 @@ def compile_targets():
     check takes about half a minute a kernel on CI's two cores, and the simulator runs both kinds everywhere); and
     the D = 128 pick with ``pin_softmax``, whose schedule the check also reads."""
     dims = (40, 64, 96, 128, 176, 256)
-    cfgs = list(dict.fromkeys(choose_config(d, kind, simulator=False, copies=copies, long_keys=long_keys)
-                              for long_keys in (False, True)
+    cfgs = list(dict.fromkeys(choose_config(d, kind, simulator=False, copies=copies, long_keys=long_keys,
+                                            causal=causal)
+                              for long_keys in (False, True) for causal in (True, False)
                               for d in dims for kind in ("float16", "bfloat16") if kind == "bfloat16" or d == 128
                               for copies in COPIES))
     cfgs.append(dataclasses.replace(choose_config(128, "bfloat16", simulator=False), pin_softmax=True))

@@ -110,6 +110,25 @@ def test_forward_wgmma_persistent(xp, rng, pipeline, stages, kind, causal, n_q, 
 
 
 @hopper
+@pytest.mark.parametrize("pipeline,stages,kind,causal,n_q,n_k,batch,heads,persistent,split", [
+    ("ws-overlap", 3, "bfloat16", True, 200, 75, 2, 1, True, False),  # 4 causal items: a pair per block, ragged
+    ("ws-overlap", 2, "float16", False, 130, 60, 1, 1, False, True),  # the only item sees no key past row 191
+    ("ws", 2, "float16", True, 9, 100, 1, 1, False, False),  # rows that see no key in every warpgroup
+])
+def test_forward_wgmma_three_consumers(xp, rng, pipeline, stages, kind, causal, n_q, n_k, batch, heads, persistent,
+                                       split):
+    """``block_m=192``: three consumer warpgroups take turns in a ring (0 → 1 → 2 → 0) over named barriers
+    TURN_0 … TURN_0 + 2, with the FULL / EMPTY barriers after them and ``setmaxnreg``'s three-way split.  A
+    warpgroup that skipped its turn's wait, or a ring that ended with a hand-over nobody took, hangs or fails here;
+    a wrong row offset of the third warpgroup's Q (rows 128 … 191) fails the check."""
+    cfg = W.WGConfig(192, 16, 64, kind, pipeline, stages=stages, copies="tma", setmaxnreg=True,
+                     persistent=persistent, split_kv=split)
+    assert cfg.threads == 512 and cfg.register_split == (32, 160)
+    run_and_check(xp, rng, n_q, n_k, 64, kind, causal, cfg=cfg, layout="bshd", batch=batch, heads=heads,
+                  launch=launch)
+
+
+@hopper
 @pytest.mark.parametrize("pipeline,stages,kind,causal,n_q,n_k,batch,heads,persistent", [
     ("ws-overlap", 2, "bfloat16", True, 130, 75, 1, 1, False),  # 2 stages: K_j refilled while V_j is still read
     ("ws", 2, "float16", False, 70, 83, 1, 1, False),
@@ -153,6 +172,21 @@ def test_forward_wgmma_persistent_real_tiles(xp, rng, n_q, n_k, d, causal, batch
     run_and_check(xp, rng, n_q, n_k, d, kind, causal, cfg=cfg, batch=batch, heads=heads, launch=launch)
 
 
+@pytest.mark.skipif(SIMULATOR or (compute_capability() or (0, 0))[0] != 9, reason="real tiles on a Hopper GPU")
+@pytest.mark.parametrize("n_q,n_k,batch,heads,kind,layout", [
+    (2100, 2100, 2, 3, "float16", "bhsd"),  # 11 query tiles a head, the last one 180 rows of 192
+    (2000, 2500, 1, 4, "bfloat16", "bshd"),  # seqlen_q < seqlen_k, a ragged last key tile; strided views
+])
+def test_forward_wgmma_three_consumers_real_tiles(xp, rng, n_q, n_k, batch, heads, kind, layout):
+    """The GPU's pick for long non-causal calls at D = 64 (three consumer warpgroups, 192 × 128 tiles, one block per
+    work item, :func:`config_for`) at its own tiles, against float64."""
+    q = xp.empty((batch, heads, n_q, 64), np.float16)
+    kv = xp.empty((batch, heads, n_k, 64), np.float16)
+    cfg = W.config_for(64, kind, q, kv, kv, False)
+    assert (cfg.block_m, cfg.block_n, cfg.persistent) == (192, 128, False)
+    run_and_check(xp, rng, n_q, n_k, 64, kind, False, cfg=cfg, batch=batch, heads=heads, layout=layout, launch=launch)
+
+
 @pytest.mark.parametrize("n_qt", [1, 2, 5, 16])
 @pytest.mark.parametrize("causal", [False, True])
 def test_work_items_cover_every_tile_once(n_qt, causal):
@@ -194,13 +228,16 @@ def test_tma_configuration_rules():
     with pytest.raises(ValueError, match="copies"):
         W.WGConfig(128, 16, 64, "float16", "ws", copies="bulk")
     for d in (40, 64):
-        for long_keys, block_n in ((False, 128), (True, 192)):
-            cfg = W.choose_config(d, "bfloat16", simulator=False, long_keys=long_keys)
-            want = ("ws-overlap", "tma", 128, block_n, 3, True)
+        for long_keys, causal, block_m, block_n in ((False, True, 128, 128), (False, False, 128, 128),
+                                                    (True, True, 128, 192), (True, False, 192, 128)):
+            cfg = W.choose_config(d, "bfloat16", simulator=False, long_keys=long_keys, causal=causal)
+            want = ("ws-overlap", "tma", block_m, block_n, 3, True)
             assert (cfg.pipeline, cfg.copies, cfg.block_m, cfg.block_n, cfg.stages, cfg.setmaxnreg) == want
+            # three consumers (long non-causal calls): one block per work item, whatever ``persistent`` asks
+            assert cfg.persistent == (block_m == 128)
     for d in (72, 96, 128):
-        for long_keys in (False, True):
-            cfg = W.choose_config(d, "bfloat16", simulator=False, long_keys=long_keys)
+        for long_keys, causal in ((False, True), (True, True), (True, False)):
+            cfg = W.choose_config(d, "bfloat16", simulator=False, long_keys=long_keys, causal=causal)
             assert (cfg.pipeline, cfg.copies, cfg.block_n, cfg.stages, cfg.setmaxnreg) == ("ws-overlap", "tma", 128, 3,
                                                                                           True)
     for d in (64, 128):  # TMA picks: persistent blocks unless asked not to; the same compiled kernel either way
@@ -225,8 +262,10 @@ def test_config_for_persistent_rule(d):
         kv = cp.empty((1, 2, n_k, d), cp.float16)
         for causal in (False, True):
             cfg = W.config_for(d, "float16", q, kv, kv, causal)
-            assert cfg.copies == "tma" and cfg.persistent == (causal or n_k < W.PERSISTENT_MAX_KEYS), (n_k, causal)
-            if d == 64:
+            three = d == 64 and n_k >= W.WSO_MIN_KEYS_D64 and not causal  # 192 × 128, one block per item
+            assert cfg.copies == "tma" and cfg.block_m == (192 if three else 128), (n_k, causal)
+            assert cfg.persistent == (not three and (causal or n_k < W.PERSISTENT_MAX_KEYS)), (n_k, causal)
+            if d == 64 and not three:
                 assert cfg.block_n == (192 if n_k >= W.WSO_MIN_KEYS_D64 else 128)
     cfg = W.choose_config(d, "float16", simulator=False)
     assert W.work_grid(cfg, 8, 16, 4096, False) == (W.multiprocessor_count(), 1, 1)
@@ -235,11 +274,13 @@ def test_config_for_persistent_rule(d):
 
 @hopper
 @pytest.mark.slow
-@pytest.mark.parametrize("d,long_keys", [(64, False), (64, True), (128, False)])
-def test_forward_wgmma_gpu_configuration(xp, rng, d, long_keys):
-    """The tiles the GPU uses (at D = 64 both: for short and for long sequences), at a size that crosses them."""
-    cfg = W.choose_config(d, "bfloat16", simulator=False, long_keys=long_keys)
-    run_and_check(xp, rng, cfg.block_m + 7, cfg.block_n + 5, d, "bfloat16", True, cfg=cfg, heads=1, launch=launch)
+@pytest.mark.parametrize("d,long_keys,causal", [(64, False, True), (64, True, True), (64, True, False),
+                                                (128, False, True)])
+def test_forward_wgmma_gpu_configuration(xp, rng, d, long_keys, causal):
+    """The tiles the GPU uses (at D = 64 all three: short sequences, long causal ones, long non-causal ones with
+    three consumers), at a size that crosses them."""
+    cfg = W.choose_config(d, "bfloat16", simulator=False, long_keys=long_keys, causal=causal)
+    run_and_check(xp, rng, cfg.block_m + 7, cfg.block_n + 5, d, "bfloat16", causal, cfg=cfg, heads=1, launch=launch)
 
 
 @hopper
@@ -307,6 +348,20 @@ def test_config_validation_and_shared_memory():
     ws = W.WGConfig(128, 128, 128, "bfloat16", "ws", stages=3)
     assert ws.threads == 3 * 128  # two consumer warpgroups and the producer warpgroup
     assert W.shared_bytes(ws) == (1 + 2 * 3) * 32 * 1024  # Q and three K, V stages: 224 KB, under Hopper's 227
+    # Three consumer warpgroups (192 query rows): ws pipelines only; one turn barrier each, so 4 split stages
+    # (1 + 3 turns + 4 FULL + 4 EMPTY + QEMPTY + 4 VEMPTY = 17 ids) no longer fit the 16 named barriers.
+    three = W.WGConfig(192, 128, 64, "bfloat16", "ws-overlap", stages=4, copies="tma", setmaxnreg=True)
+    assert (three.threads, three.turns, three.named_barriers, three.register_split) == (512, 3, 13, (32, 160))
+    assert 128 * three.register_split[0] + 384 * three.register_split[1] <= 65536
+    assert W.shared_bytes(three) == 192 * 128 + 2 * 4 * 128 * 128  # Q (24 KB), four 16 KB K and V stages
+    with pytest.raises(ValueError, match="named barriers"):
+        W.WGConfig(192, 128, 64, "bfloat16", "ws-overlap", stages=4, copies="tma", split_kv=True)
+    two = W.WGConfig(128, 128, 64, "bfloat16", "ws-overlap", stages=4, copies="tma", split_kv=True)
+    assert two.named_barriers == 16  # two consumers: every id in use
+    with pytest.raises(ValueError, match="two warpgroups"):
+        W.WGConfig(192, 64, 64, "float16", "pingpong")
+    with pytest.raises(ValueError, match="128 or 192"):
+        W.WGConfig(64, 64, 64, "float16", "ws")
     k_off, v_off, end = W.shared_offsets(W.WGConfig(192, 64, 96, "bfloat16"))
     assert k_off * 2 % 1024 == 0 and v_off * 2 % 1024 == 0  # every swizzled tile starts 1024-byte aligned
 
@@ -373,7 +428,8 @@ def test_gpu_configurations_compile_for_sm90a_without_local_memory():
         assert row["local"] == 0 and row["spill"] in (0, None), row
         assert not row["serialized"], row  # ptxas would wait for each wgmma before the next (its C75xx notes)
         if cfg.setmaxnreg:  # both moves are in the code, and ptxas kept them (no C7504 / C7507 "ignored")
-            assert row["lto"] and row["setmaxnreg"] == [["dec", "24"], ["inc", "240"]] and not row["notes"], row
+            dec, inc = cfg.register_split
+            assert row["lto"] and row["setmaxnreg"] == [["dec", str(dec)], ["inc", str(inc)]] and not row["notes"], row
         assert set(row["shapes"]) == {f"m64n{cfg.block_n}k16", f"m64n{cfg.d_pad}k16"}, row
         assert row["a_in_shared"] and row["a_in_registers"], row  # S = Q Kᵀ from shared; O += P V with P in registers
         if cfg.pipeline == "ws-overlap" and row["overlapped_ex2"] is not None:
