@@ -269,9 +269,9 @@ class TCBackwardConfig(HeadDimSlices):
     # warp packs its dK_j · scale and dV_j pairs over the K_j, V_j tiles (dQ_i · scale over Q_i), then the block
     # writes whole 16-byte chunks of rows, instead of two 16-bit stores per pair from the accumulators.  The
     # Hopper backward's same change took its dK/dV kernel's last step from 14 to 2.0 µs a block at D = 128 (H100,
-    # 2026-12-06).  :func:`choose_config` turns it on above D = 128 (measured +1 % to +8 % at D = 256); up to
-    # D = 128 it is not timed, so off.  dq, dk and dv must then have rows of whole, aligned 16-byte chunks
-    # (:func:`can_implement`).
+    # 2026-12-06).  :func:`choose_config` turns it on above a padded D of 64 (measured +1 % to +8 % at D = 256,
+    # +5 % geomean at D = 128); at D <= 64 it is not timed, so off.  dq, dk and dv must then have rows of whole,
+    # aligned 16-byte chunks (:func:`can_implement`).
     staged_out: bool = False
 
     def __post_init__(self):
@@ -1523,9 +1523,9 @@ def choose_config(
     FlashAttention-2 202 / 247 / 261 (the slices redo Sᵀ and dPᵀ: 1.5× the
     matrix work).  Where a block gets less shared memory: 64 × 32 (141 KB),
     then 32 × 16 (69 KB).  Head dims that are not multiples of 16 take the
-    tiles of the padded one.  These sliced configurations write their
-    gradients through shared memory in 16-byte chunks (``staged_out``; it
-    takes no more shared memory).  On an H100 at D = 256
+    tiles of the padded one.  Every configuration above a padded D of 64
+    writes its gradients through shared memory in 16-byte chunks
+    (``staged_out``; it takes no more shared memory).  On an H100 at D = 256
     (``tc-backward-NVIDIA-H100-80GB-HBM3-2026-12-06-s34-mma-staged.json``, bf16,
     N = 2k / 4k / 16k, same run) it measured +2 % to +8 % on the deterministic
     route (117 / 119 / 121 against 111 / 115 / 118 TFLOP/s non-causal, 100 /
@@ -1533,8 +1533,8 @@ def choose_config(
     one.  At D = 128 too (``…-2026-12-06-s35-mma-staged-d128.json``, bf16,
     N = 1k … 16k causal and not, checked first), geomean TFLOP/s: 208.5
     against 197.3 deterministic (64 × 64), 266.1 against 252.7 atomic (the
-    bulk-reduction grid tiles), so every configuration above a padded D of
-    64 has it.  At D <= 64 it stays off: not timed there.
+    bulk-reduction grid tiles): up to +15 % at 1k, level at 16k.  At D <= 64
+    it stays off: not timed there.
 
     In the simulator: 2 warps (32 keys) and 16-query tiles, so that short
     sequences cross tile edges with few Python threads; D = 32 there takes the
@@ -1565,8 +1565,8 @@ def _choose_config(
     d_pad = -(-head_dim // 16) * 16
     slices = -(-d_pad // 128)  # blocks per row tile: the gradient columns of a block at most 128
     d_slice = 0 if slices == 1 else -(-d_pad // (16 * slices)) * 16
-    # Above D = 64 the last step goes through shared memory (staged_out): measured +1 % to +8 % at D = 256 and +4 %
-    # to +8 % at D = 128 (both routes); at D <= 64 not timed.
+    # Above D = 64 the last step goes through shared memory (staged_out): measured +1 % to +8 % at D = 256, and at
+    # D = 128 +5 % geomean on both routes (up to +15 % at 1k, level at 16k); at D <= 64 not timed.
     staged = d_pad > 64
     if simulator:
         return TCBackwardConfig(16, 32, head_dim, input_kind, kv_in_registers=head_dim != 32 and slices == 1,

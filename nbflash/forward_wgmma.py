@@ -204,7 +204,7 @@ fits, 192 does not::
 
 On an H100 it is the pick for long non-causal calls at D <= 64
 (:func:`choose_config`), with one block per work item: persistent blocks
-made the same kernel 13–16 % slower at 2k–4k keys, a cause not yet measured.
+made the same kernel 13–19 % slower at 2k–4k keys, a cause not yet measured.
 
 **Work items and persistent blocks** (the ws pipelines).  Their grid is
 1-D: a *work item* is one query tile of one (batch, head)
@@ -1196,11 +1196,11 @@ def choose_config(
     persistent 128 × 192 kernel in the same run, and 466 / 484 / 492 for
     cuDNN (``tc-forward-NVIDIA-H100-80GB-HBM3-2026-12-06-s35-wg3-shapes.json``;
     the same at batch 1 with 256 / 128 heads).  Persistent, the same kernel
-    was 13–16 % slower at 2k–4k (381 / 389) though 1 % faster at 16k (510).
+    was 13–19 % slower at 2k–4k (381 / 389) though 1 % faster at 16k (510).
     Causal it was 6 % / 2 % slower at 2k / 4k (321 / 400 against 342 / 408),
     so causal calls keep the 128 × 192 tiles.  Wider tiles (192 × 160 and up)
     spill at 160 registers (offline, sm_90a); at D = 128, 192 × 64 tiles
-    measured 13–52 % slower than 128 × 128 (``…-s35-wg3.json``).
+    measured 10–52 % slower than 128 × 128 (``…-s35-wg3.json``).
 
     Since the ws-overlap step was restructured (2026-12-05, module docstring),
     the 128 × 128 ws-overlap kernel also leads at D <= 64 below
