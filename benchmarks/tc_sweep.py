@@ -359,8 +359,9 @@ def main():
     seqlens = [int(x) for x in args.seqlens.split(",") if x]
     try:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
-        assert all(len(s) == 3 and min(s) > 0 for s in shapes)
-    except (ValueError, AssertionError):
+    except ValueError:
+        shapes = [()]
+    if not all(len(s) == 3 and min(s) > 0 for s in shapes):
         ap.error(f"--shapes: expected batch x heads x N, comma-separated (e.g. 8x32x2048), got {args.shapes!r}")
     lines = []
 

@@ -1557,6 +1557,18 @@ def _choose_config(
     head_dim: int, input_kind: str, simulator: bool, cc: tuple[int, int] | None, max_shared: int | None,
     atomic: bool = False,
 ) -> TCBackwardConfig:
+    cfg = _choose_tiles(head_dim, input_kind, simulator, cc, max_shared, atomic)
+    # Above a padded D of 64 the last step goes through shared memory (staged_out; it takes no more shared memory,
+    # so the tiles above do not depend on it): measured +1 % to +8 % at D = 256, and at D = 128 +5 % geomean on
+    # both routes (up to +15 % at 1k, level at 16k); at D <= 64 not timed.
+    return dataclasses.replace(cfg, staged_out=-(-head_dim // 16) * 16 > 64)
+
+
+def _choose_tiles(
+    head_dim: int, input_kind: str, simulator: bool, cc: tuple[int, int] | None, max_shared: int | None,
+    atomic: bool,
+) -> TCBackwardConfig:
+    """:func:`_choose_config`'s tiles, dQ route options and slices (the caller sets ``staged_out``)."""
     vector_red = cc is not None and cc >= (9, 0)
     if head_dim % 8 or not 0 < head_dim <= 256:
         raise ValueError(
@@ -1565,19 +1577,16 @@ def _choose_config(
     d_pad = -(-head_dim // 16) * 16
     slices = -(-d_pad // 128)  # blocks per row tile: the gradient columns of a block at most 128
     d_slice = 0 if slices == 1 else -(-d_pad // (16 * slices)) * 16
-    # Above D = 64 the last step goes through shared memory (staged_out): measured +1 % to +8 % at D = 256, and at
-    # D = 128 +5 % geomean on both routes (up to +15 % at 1k, level at 16k); at D <= 64 not timed.
-    staged = d_pad > 64
     if simulator:
         return TCBackwardConfig(16, 32, head_dim, input_kind, kv_in_registers=head_dim != 32 and slices == 1,
-                                vector_red=vector_red, d_slice=d_slice, staged_out=staged)
+                                vector_red=vector_red, d_slice=d_slice)
     if slices > 1:
         # D > 128: 32-row streamed tiles keep the slice's dK, dV (128 registers at a 128-column slice), Sᵀ and dPᵀ
         # and one group of fragments within 255 registers (238).  8 warps, 128 keys × 32 queries (208 KB of
         # shared memory at D = 256, the atomic route's), where the GPU allows it; else 64 × 32 (141 KB), 32 × 16.
         for m, n in ((32, 128), (32, 64), (16, 32)):
             cfg = TCBackwardConfig(m, n, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red,
-                                   d_slice=d_slice, staged_out=staged)
+                                   d_slice=d_slice)
             if max_shared is None or max(shared_bytes(cfg, name) for name in KERNELS) <= max_shared:
                 break
         return cfg
@@ -1586,25 +1595,22 @@ def _choose_config(
     bulk = dict(bulk_dq=True, dq_before_dk=True) if cc is not None and cc >= (9, 0) and d_pad in (64, 128) else {}
     if atomic and d_pad == 64:  # FlashAttention-2's D = 64 tiles: 128 queries × 128 keys, dQ's warps 4 × 4
         red = TCBackwardConfig(128, 128, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red,
-                               warps_keys=4, warps_dq_rows=4, staged_out=staged)
+                               warps_keys=4, warps_dq_rows=4)
         for cfg in ([dataclasses.replace(red, **bulk)] if bulk else []) + [red]:
             if max_shared is None or shared_bytes(cfg, "dkdv_atomic") <= max_shared:
                 return cfg
     if atomic and d_pad > 64:
         chunks = d_pad // 16
-        candidates = [TCBackwardConfig(64, 128, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red,
-                                       staged_out=staged)]
+        candidates = [TCBackwardConfig(64, 128, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red)]
         if chunks % 2 == 0:  # FlashAttention-2's warp grid where its warps split the head dim evenly
             grid = dataclasses.replace(candidates[0], warps_keys=4, warps_dq_rows=2 if chunks % 4 == 0 else 4)
             candidates[:0] = ([dataclasses.replace(grid, **bulk)] if bulk else []) + [grid]
         for cfg in candidates:
             if max_shared is None or shared_bytes(cfg, "dkdv_atomic") <= max_shared:
                 return cfg
-    cfg = TCBackwardConfig(64, 64, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red,
-                           staged_out=staged)
+    cfg = TCBackwardConfig(64, 64, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red)
     if max_shared is not None and max(shared_bytes(cfg, name) for name in KERNELS) > max_shared:
-        cfg = TCBackwardConfig(32, 64, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red,
-                               staged_out=staged)
+        cfg = TCBackwardConfig(32, 64, head_dim, input_kind, kv_in_registers=False, vector_red=vector_red)
     return cfg
 
 

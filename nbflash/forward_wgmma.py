@@ -1191,9 +1191,9 @@ def choose_config(
     Since 2026-12-06 (thirty-fifth session, H100, bf16; checked against
     float64 first), non-causal calls at D <= 64 from :data:`WSO_MIN_KEYS_D64`
     keys take three consumer warpgroups, 192 × 128 tiles (ws-overlap, 3
-    stages, TMA, ``setmaxnreg`` 32 / 160), one block per work item: 441 / 480
+    stages, TMA, ``setmaxnreg`` 32 / 160), one block per work item: 442 / 480
     / 504 TFLOP/s at N = 2k / 4k / 16k against 437 / 464 / 477 for the
-    persistent 128 × 192 kernel in the same run, and 466 / 484 / 492 for
+    persistent 128 × 192 kernel in the same run, and 467 / 484 / 492 for
     cuDNN (``tc-forward-NVIDIA-H100-80GB-HBM3-2026-12-06-s35-wg3-shapes.json``;
     the same at batch 1 with 256 / 128 heads).  Persistent, the same kernel
     was 13–19 % slower at 2k–4k (381 / 389) though 1 % faster at 16k (510).
