@@ -26,9 +26,10 @@ last ones its general path; the ``mma.sync`` forward's O goes out through shared
 stores), the ``wgmma`` forward's through the packed-pair epilogue.
 
 ``--wgmma-forward`` (sm_90): only the ``wgmma`` forward's TMA picks at D = 64 and 128 (and D = 64's two
-long-sequence ones, the non-causal one with three consumer warpgroups), each persistent (one block per
-multiprocessor) and not, at 2 × 16 heads × 1100 rows (more work chunks than multiprocessors, so persistent blocks
-take several, causal ones in pairs) and at 300 queries over 131 keys (items that see no key), causal and not.
+long-sequence ones, the non-causal one with three consumer warpgroups; and the causal one with two Q_i buffers and the
+seam step, an option), each persistent (one block per multiprocessor) and not, at 2 × 16 heads × 1100 rows (more
+work chunks than multiprocessors, so persistent blocks take several, causal ones in pairs) and at 300 queries over
+131 keys (items that see no key), causal and not.
 
 ``--wgmma-backward`` (sm_90): only the ``wgmma`` backward's defaults (the warp-specialised dK/dV kernel, copying
 by TMA) at D = 40, 64, 96 and 128, by both dQ routes, causal and not, on bshd views at 150 and 300 queries over
@@ -90,17 +91,22 @@ if "--wgmma-backward" in sys.argv[1:]:
 if "--wgmma-forward" in sys.argv[1:]:
     for d in (64, 128):
         # At D = 64 also the long-sequence picks: 128 × 192 (causal) and three consumers, 192 × 128 (non-causal;
-        # always one block per item, whatever ``persistent`` asks).
-        for long_keys, pick_causal in ((False, True), (True, True), (True, False)) if d == 64 else ((False, True),):
-            for persistent in (True, False):
-                cfg = forward_wgmma.choose_config(d, "float16", simulator=False, long_keys=long_keys,
-                                                  persistent=persistent, causal=pick_causal)
-                for (b, h, n_q, n_k), causal in [((2, 16, 1100, 1100), False), ((2, 16, 1100, 1100), True),
-                                                 ((1, 4, 300, 131), True)]:
-                    q = cp.random.standard_normal((b, h, n_q, d)).astype(cp.float16)
-                    k, v = (cp.random.standard_normal((b, h, n_k, d)).astype(cp.float16) for _ in range(2))
-                    o, lse = cp.empty_like(q), cp.empty((b, h, n_q), cp.float32)
-                    forward_wgmma.launch_forward_wgmma(cfg, q, k, v, o, lse, d**-0.5, causal)
+        # always one block per item, whatever ``persistent`` asks); and the causal pick with two Q_i buffers and
+        # the seam step (an option, not a pick).
+        cfgs = [forward_wgmma.choose_config(d, "float16", simulator=False, long_keys=long_keys,
+                                            persistent=persistent, causal=pick_causal)
+                for long_keys, pick_causal in (((False, True), (True, True), (True, False)) if d == 64 else
+                                               ((False, True),))
+                for persistent in (True, False)]
+        if d == 64:
+            cfgs += [dataclasses.replace(cfgs[2 + i], q_buffers=2, seam=True) for i in range(2)]
+        for cfg in cfgs:
+            for (b, h, n_q, n_k), causal in [((2, 16, 1100, 1100), False), ((2, 16, 1100, 1100), True),
+                                             ((1, 4, 300, 131), True)]:
+                q = cp.random.standard_normal((b, h, n_q, d)).astype(cp.float16)
+                k, v = (cp.random.standard_normal((b, h, n_k, d)).astype(cp.float16) for _ in range(2))
+                o, lse = cp.empty_like(q), cp.empty((b, h, n_q), cp.float32)
+                forward_wgmma.launch_forward_wgmma(cfg, q, k, v, o, lse, d**-0.5, causal)
     cp.cuda.Device().synchronize()
     print("sanitize_tc: wgmma forward kernels ran")
     sys.exit(0)

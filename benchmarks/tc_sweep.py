@@ -84,7 +84,11 @@ WG_CANDIDATES = {
          # three consumer warpgroups (FlashAttention-3's D = 64 shape; 192 × 160 and wider spill, offline)
          (192, 128, "ws-overlap:3:tma:r:p"), (192, 128, "ws-overlap:3:tma:r"), (192, 128, "ws-overlap:4:tma:r:p"),
          (192, 128, "ws-overlap:2:tma:r:p:s"),
-         (192, 128, "ws:2:tma:r:p")],
+         (192, 128, "ws:2:tma:r:p"),
+         # two Q_i buffers, and the seam step between items
+         (192, 128, "ws-overlap:3:tma:r:p:::q2"), (192, 128, "ws-overlap:3:tma:r:p:::seam"),
+         (192, 128, "ws-overlap:3:tma:r::::seam"), (128, 192, "ws-overlap:3:tma:r:p:::q2"),
+         (128, 192, "ws-overlap:3:tma:r:p:::seam"), (128, 128, "ws-overlap:3:tma:r:p:::seam")],
     128: [(128, 128, "plain"), (128, 128, "overlap"), (128, 64, "overlap"), (64, 128, "overlap"),
           (128, 128, "pingpong"), (128, 64, "pingpong"), (128, 128, "ws:2"), (128, 128, "ws:3"), (128, 64, "ws:3"),
           (128, 64, "ws:4"), (128, 192, "ws:2"), (128, 128, "ws-overlap:3"), (128, 128, "ws-overlap:4"),
@@ -97,7 +101,10 @@ WG_CANDIDATES = {
           (128, 128, "ws-overlap:3:tma:r::s"), (128, 128, "ws-overlap:3:tma:r:p::pin"),
           (128, 192, "ws-overlap:2:tma:r:p:s"),
           # three consumer warpgroups: 192 × 64 fits 160 registers (192 × 80 spills, offline)
-          (192, 64, "ws-overlap:3:tma:r:p"), (192, 64, "ws-overlap:4:tma:r:p")],
+          (192, 64, "ws-overlap:3:tma:r:p"), (192, 64, "ws-overlap:4:tma:r:p"),
+          # two Q_i buffers (2 stages: 3 do not fit beside them), and the seam step between items
+          (128, 128, "ws-overlap:2:tma:r:p:s::q2"), (128, 128, "ws-overlap:2:tma:r:p:s::seam"),
+          (128, 128, "ws-overlap:2:tma:r:p:s")],
     256: [(128, 64, "overlap"), (128, 64, "ws:2"), (128, 32, "ws:3")],
 }
 
@@ -106,11 +113,13 @@ def wg_config(bm, bn, d, kind, pipe) -> W.WGConfig:
     """A :class:`~nbflash.forward_wgmma.WGConfig` from a candidate (``"ws:3"``: the ws pipeline, 3 stages;
     ``"ws:3:tma"``: the same with TMA copies; ``"ws:3:tma:r"``: and registers moved by ``setmaxnreg``;
     ``"ws:3:tma:r:p"``: and persistent blocks; ``"ws-overlap:2:tma:r:p:s"``: K and V on their own mbarriers,
-    ``split_kv``; a seventh field ``pin``: ws-overlap's softmax pinned between its waits, ``pin_softmax=True``)."""
-    name, stages, copies, regs, persist, split, pin = (pipe.split(":") + [""] * 6)[:7]
+    ``split_kv``; a seventh field ``pin``: ws-overlap's softmax pinned between its waits, ``pin_softmax=True``;
+    an eighth ``q2``: two Q_i buffers, ``q_buffers=2``, or ``seam``: and the seam step, ``seam=True``)."""
+    name, stages, copies, regs, persist, split, pin, q = (pipe.split(":") + [""] * 7)[:8]
     return W.WGConfig(bm, bn, d, kind, name, **({"stages": int(stages)} if stages else {}),
                       **({"copies": copies} if copies else {}), setmaxnreg=regs == "r", persistent=persist == "p",
-                      split_kv=split == "s", pin_softmax=pin == "pin")
+                      split_kv=split == "s", pin_softmax=pin == "pin", q_buffers=2 if q in ("q2", "seam") else 1,
+                      seam=q == "seam")
 #: Names accepted by --configs besides tags: choose_config's pick for each head dim and dtype, its split pipeline,
 #: the same with S = Q Kᵀ in straight-line groups of 1 or 2 k-steps (``qk_unroll``), and the wgmma kernel's pick;
 #: ``default-eager``: the pick with O rescaled at every key tile (``lazy_rescale=False``, FlashAttention-2's softmax);
@@ -135,7 +144,8 @@ def tag(cfg) -> str:
     key tile; ``-direct`` (mma.sync): O stored from the registers, not staged in shared memory; ``-lazy``
     (wgmma): O rescaled only when a row's max moves past the slack; ``-p`` (wgmma): persistent blocks; ``-kv``
     (wgmma): K and V on their own mbarriers and releases, ``split_kv``; ``-pin`` (wgmma): ws-overlap's softmax
-    pinned between its waits, ``pin_softmax=True``)."""
+    pinned between its waits, ``pin_softmax=True``; ``-q2`` (wgmma): two Q_i buffers; ``-seam`` (wgmma): and the
+    seam step between items)."""
     if isinstance(cfg, W.WGConfig):
         suffix = {"plain": "-plain", "overlap": "", "pingpong": "-pp", "ws": f"-ws{cfg.stages}",
                   "ws-overlap": f"-wso{cfg.stages}"}[cfg.pipeline]
@@ -144,8 +154,9 @@ def tag(cfg) -> str:
         persist = "-p" if cfg.persistent else ""
         split = "-kv" if cfg.split_kv else ""
         pin = "-pin" if cfg.pin_softmax else ""
+        q = "-seam" if cfg.seam else "-q2" if cfg.q_buffers == 2 else ""
         return (f"wg{cfg.block_m}x{cfg.block_n}{suffix}{copies}{'-r' if cfg.setmaxnreg else ''}{lazy}{persist}{split}"
-                f"{pin}")
+                f"{pin}{q}")
     return (
         f"{cfg.block_m}x{cfg.block_n}{'' if cfg.q_in_regs else 's'}{'/2' if cfg.m_tiles == 2 else ''}"
         f"{'-split' if cfg.kv_pipeline == 'split' else ''}{f'-u{cfg.qk_unroll}' if cfg.qk_unroll else ''}"
@@ -302,8 +313,24 @@ def cuda_time_ms(fn, n_sets, reps=30, warmup=3):
     return statistics.median(cuda_times_ms(fn, n_sets, reps, warmup))
 
 
-def time_row(sets, causal, fl, cfgs, rounds=3, reps=10):
-    """TFLOP/s of SDPA flash, SDPA cuDNN and each tensor-core configuration on the same input sets.
+def capped_grid(launch, factor: int):
+    """``launch`` with a persistent grid of at most ``factor`` blocks per multiprocessor (one block still runs per
+    multiprocessor at a time, so each takes about 1 / ``factor`` of the items a persistent block takes): how the
+    cost of a persistent block depends on the number of items it runs in turn."""
+    def run(*args, **kwargs):
+        sms = W.multiprocessor_count
+        W.multiprocessor_count = lambda: factor * sms()
+        try:
+            return launch(*args, **kwargs)
+        finally:
+            W.multiprocessor_count = sms
+    return run
+
+
+def time_row(sets, causal, fl, cfgs, rounds=3, reps=10, grid_factors=()):
+    """TFLOP/s of SDPA flash, SDPA cuDNN and each tensor-core configuration on the same input sets (persistent
+    wgmma configurations also with their grid capped at each of ``grid_factors`` blocks per multiprocessor,
+    tagged ``-g<factor>``).
 
     The providers take turns: ``rounds`` rounds of ``reps`` calls each, so a drift of the GPU's clock or
     temperature during the row falls on all of them alike; each figure is the median of its
@@ -321,6 +348,10 @@ def time_row(sets, causal, fl, cfgs, rounds=3, reps=10):
     for cfg in cfgs:
         launch = launcher(cfg)
         calls[f"nb-{tag(cfg)}"] = lambda i, cfg=cfg, launch=launch: launch(cfg, *cargs[i], 1 / math.sqrt(d), causal)
+        for f in grid_factors if getattr(cfg, "persistent", False) else ():
+            capped = capped_grid(launch, f)
+            calls[f"nb-{tag(cfg)}-g{f}"] = lambda i, cfg=cfg, capped=capped: capped(cfg, *cargs[i], 1 / math.sqrt(d),
+                                                                                   causal)
     samples = {name: [] for name in calls}
     failed = {}
     for _ in range(rounds):
@@ -350,6 +381,9 @@ def main():
     ap.add_argument("--shapes", default="",
                     help="time these batch x heads x N (e.g. 8x32x2048,1x256x2048) instead of --seqlens at "
                          "batch·N = 16k, heads·D = 2048")
+    ap.add_argument("--grid-factors", default="",
+                    help="also time each persistent candidate with at most this many blocks per multiprocessor "
+                         "(e.g. 2,4: a block takes a half, a quarter of the items in turn)")
     ap.add_argument("--jobs", type=int, default=1,
                     help="compile the candidates first in this many processes (through the disk cache)")
     ap.add_argument("--compile-part", help=argparse.SUPPRESS)  # i/n: compile every n-th candidate from i, and exit
@@ -361,6 +395,12 @@ def main():
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
     except ValueError:
         shapes = [()]
+    try:
+        grid_factors = [int(x) for x in args.grid_factors.split(",") if x]
+    except ValueError:
+        grid_factors = [0]
+    if not all(f > 0 for f in grid_factors):
+        ap.error(f"--grid-factors: expected positive integers, comma-separated (e.g. 2,4), got {args.grid_factors!r}")
     if not all(len(s) == 3 and min(s) > 0 for s in shapes):
         ap.error(f"--shapes: expected batch x heads x N, comma-separated (e.g. 8x32x2048), got {args.shapes!r}")
     lines = []
@@ -423,7 +463,8 @@ def main():
                     row = {"dtype": str(dt).split(".")[-1], "D": d, "causal": causal, "N": n, "B": b, "H": h}
                     row.update(
                         time_row(
-                            sets, causal, fl, [c for c, _ in compiled if c.head_dim == d and c.input_kind == KIND[dt]]
+                            sets, causal, fl, [c for c, _ in compiled if c.head_dim == d and c.input_kind == KIND[dt]],
+                            grid_factors=grid_factors,
                         )
                     )
                     results.append(row)

@@ -124,8 +124,11 @@ def trace(out: str) -> None:
                 print(f"D{d} N{n} causal={causal}: {cfg}", flush=True)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def run(doc: str, trace_fn, summarize_fn, pattern: str, key_of, summary_name: str) -> None:
+    """The command line of this script and of ``trace_forward.py``: ``--out`` traces on the GPU (``trace_fn``), then
+    both summarise the rows saved as ``pattern`` (``summarize_fn`` per file, keyed by ``key_of(file name)``) into
+    ``summary_name``; ``--summarize`` only summarises."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--out", help="trace on the GPU, then summarise: rows and summary go here")
     ap.add_argument("--summarize", help="only summarise the rows saved here")
     args = ap.parse_args()
@@ -133,16 +136,25 @@ def main() -> None:
     if not where:
         ap.error("give --out (trace) or --summarize (rows already saved)")
     if args.out:
-        trace(args.out)
+        os.makedirs(args.out, exist_ok=True)
+        trace_fn(args.out)
     summary = {}
-    for path in sorted(glob.glob(os.path.join(where, "trace-*-*-*.npy"))):
-        d, n, causal = map(int, re.findall(r"trace-(\d+)-(\d+)-(\d)\.npy", path)[0])
-        row = summarize(np.load(path))
-        summary[f"D{d} N{n} causal={bool(causal)}"] = row
-        print(f"D{d} N{n} causal={bool(causal)}", json.dumps({k: round(v, 2) if isinstance(v, float) else v
-                                                              for k, v in row.items()}))
-    with open(os.path.join(where, "trace-dkdv-summary.json"), "w") as f:
+    for path in sorted(glob.glob(os.path.join(where, pattern))):
+        key = key_of(os.path.basename(path))
+        row = summarize_fn(np.load(path))
+        summary[key] = row
+        print(key, json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}))
+    with open(os.path.join(where, summary_name), "w") as f:
         json.dump(summary, f, indent=1)
+
+
+def _key(name: str) -> str:
+    d, n, causal = map(int, re.findall(r"trace-(\d+)-(\d+)-(\d)\.npy", name)[0])
+    return f"D{d} N{n} causal={bool(causal)}"
+
+
+def main() -> None:
+    run(__doc__, trace, summarize, "trace-[0-9]*-*-*.npy", _key, "trace-dkdv-summary.json")
 
 
 if __name__ == "__main__":

@@ -820,8 +820,14 @@ def ptxas_info(ptx: str, arch: str = "sm_90", *, check: bool = True) -> dict:
     from cuda.bindings import nvjitlink
 
     lto = isinstance(ptx, bytes)  # LTO IR (compile_ltoir_offline): linked whole, ptxas' log asked for by -Xptxas
+    # -no-cache: nvJitLink 13.0 keeps the results of LTO links in a cache and, for an input it has linked before
+    # (in this process or an earlier one), skips ptxas and returns an empty log (the GPU image, 2026-12-06; 13.5
+    # logs either way).  A version that does not know the option is asked without it.
     options = [f"-arch={arch}", "-verbose"] + (["-lto", "-Xptxas=-v"] if lto else [])
-    handle = nvjitlink.create(len(options), options)
+    try:
+        handle = nvjitlink.create(len(options) + 1, [*options, "-no-cache"])
+    except nvjitlink.nvJitLinkError:
+        handle = nvjitlink.create(len(options), options)
     try:
         data = ptx if lto else ptx.encode()
         kind = nvjitlink.InputType.LTOIR if lto else nvjitlink.InputType.PTX

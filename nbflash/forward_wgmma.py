@@ -204,7 +204,11 @@ fits, 192 does not::
 
 On an H100 it is the pick for long non-causal calls at D <= 64
 (:func:`choose_config`), with one block per work item: persistent blocks
-made the same kernel 13–19 % slower at 2k–4k keys, a cause not yet measured.
+made the same kernel 13–19 % slower at 2k–4k keys.  Not because of the items
+a block runs in turn: with the grid capped at 2 or 4 blocks per
+multiprocessor (a quarter of the items each) it was still 10 % behind one
+block per item at 2k keys, and neither two Q_i buffers nor the seam step
+below changed it (H100, 2026-12-06).  The cause is not yet measured.
 
 **Work items and persistent blocks** (the ws pipelines).  Their grid is
 1-D: a *work item* is one query tile of one (batch, head)
@@ -235,6 +239,30 @@ refilled before it exits, so that every named barrier's counts match.
 Warpgroup 0 takes back the turn that the last warpgroup hands on at the very end.
 The cp.async producer keeps one item per block.
 
+**Two Q_i buffers and the seam step** (options, off by default).  With
+``q_buffers=2`` the block's n-th item takes Q buffer n % 2, with its own
+mbarrier (``QBAR + u``) and release (``QEMPTY + u``), and the producer copies
+it as soon as it reaches the item, before the item's first K/V tile: about
+STAGES tiles before the consumers finish the item before.  With one buffer
+an item starts with a lone S_0 (no P V to pair it with) and ends with a lone
+last P V, each a turn of its own.  ``seam=True`` (ws-overlap) pairs the two
+in one turn, like any later step: the previous item's last P V goes with
+the new item's S_0, the new item's first softmax runs under the P V, and
+the previous item's O and lse are written after it, while the tensor cores
+run the other warpgroups' products::
+
+    one Q buffer:  … S_{n-1}, PV_{n-2} │ PV_{n-1} │ write O │ wait Q' │ S'_0 │ S'_1, PV'_0 …
+    seam:          … S_{n-1}, PV_{n-2} │ S'_0, PV_{n-1} │ softmax S'_0, write O │ S'_1, PV'_0 …
+
+The previous item's m_i and l_i are set aside (``m_prev``, ``l_prev``) for
+its write; its coordinates are found again from its index.  Measured
+(H100, bf16, 2026-12-06, ``tc-forward-…-s36-seam-d64.json``): two buffers
+alone were within 1.3 % of one but at one point (−3 %), at D = 64 and at
+D = 128 with 2 split stages, the only depth that fits beside them.  The seam
+gained the two-consumer kernels 1.5–3 % on causal calls at D = 64 with
+2k–4k keys, nothing on non-causal ones there (±0.5 %) or at D = 128
+(−1 … +1 %), and lost them 1–4 % at 16k keys.  So both stay off.
+
 Requires sm_90a.  Constraints (:func:`can_implement`) as for the ``mma.sync``
 kernel: D a multiple of 8 up to 256; rows whole, 16-byte-aligned chunks.
 """
@@ -243,6 +271,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import types
 from dataclasses import dataclass
 
@@ -324,6 +353,13 @@ class WGConfig:
     # ``pv_landed``).  Off by default: with ptxas placing the wait where it likes the kernel measured 3-17 % faster
     # on the H100 (docs/performance.md, sessions 27-29).
     pin_softmax: bool = False
+    # ws with TMA: Q_i buffers.  Two: the producer copies the next item's Q_i while the consumers still read this
+    # one's (a persistent block's items, a causal pair), so no consumer waits for Q_i between items.
+    q_buffers: int = 1
+    # ws-overlap with two Q_i buffers: an item's last O += P V goes with the next item's first S in one turn (the
+    # "seam" step), and its O is written while the tensor cores run the other warpgroups' products; so a block's
+    # items are one unbroken run of overlapped steps instead of each starting and ending with a lone product.
+    seam: bool = False
 
     def __post_init__(self):
         if self.block_m not in (64, 128, 192):
@@ -365,13 +401,23 @@ class WGConfig:
         if self.persistent and not (self.warp_specialized and self.copies == "tma"):
             raise ValueError(f"persistent blocks take work items in turn in a ws pipeline copying with TMA, not in "
                              f"the {self.pipeline} pipeline with copies={self.copies!r}")
+        if self.q_buffers not in (1, 2):
+            raise ValueError(f"q_buffers must be 1 or 2, got {self.q_buffers}")
+        if self.q_buffers == 2 and not (self.warp_specialized and self.copies == "tma"):
+            raise ValueError(f"two Q_i buffers are filled by the TMA producer of a ws pipeline, not in the "
+                             f"{self.pipeline} pipeline with copies={self.copies!r}")
+        if self.seam and not (self.pipeline == "ws-overlap" and self.q_buffers == 2):
+            raise ValueError(f"the seam step issues the next item's first S with this item's last P V: it needs the "
+                             f"ws-overlap pipeline and q_buffers=2, got the {self.pipeline} pipeline with "
+                             f"q_buffers={self.q_buffers}")
         if not self.warp_specialized and self.stages != 2:
             raise ValueError(f"stages applies to the ws pipeline only (the {self.pipeline} pipeline fixes its "
                              f"buffers), got stages={self.stages}")
         if self.named_barriers > NAMED_BARRIERS:
             raise ValueError(f"{self.warpgroups} consumer warpgroups with {self.stages} stages"
-                             f"{' and split_kv' if self.split_kv else ''} need {self.named_barriers} named barriers, "
-                             f"a block has {NAMED_BARRIERS}: take fewer stages")
+                             f"{' and split_kv' if self.split_kv else ''}"
+                             f"{' and two Q_i buffers' if self.q_buffers == 2 else ''} need {self.named_barriers} "
+                             f"named barriers, a block has {NAMED_BARRIERS}: take fewer stages")
 
     @property
     def kv_buffers(self) -> int:
@@ -401,10 +447,11 @@ class WGConfig:
     @property
     def named_barriers(self) -> int:
         """Named barrier ids the kernel uses, 0 (``syncthreads``) included: the turns, then in ws FULL + s and
-        EMPTY + s per stage, QEMPTY, and with ``split_kv`` VEMPTY + s per stage (:func:`forward_wgmma_kernel`)."""
+        EMPTY + s per stage, QEMPTY + u per Q_i buffer, and with ``split_kv`` VEMPTY + s per stage
+        (:func:`forward_wgmma_kernel`)."""
         if not self.warp_specialized:
             return 1 + self.turns
-        return 1 + self.turns + 2 * self.stages + 1 + (self.stages if self.split_kv else 0)
+        return 1 + self.turns + 2 * self.stages + self.q_buffers + (self.stages if self.split_kv else 0)
 
     @property
     def register_split(self) -> tuple[int, int]:
@@ -418,9 +465,9 @@ class WGConfig:
 
 
 def shared_offsets(cfg: WGConfig) -> tuple[int, int, int]:
-    """Element offsets of the K buffers and of the V buffers (Q_i starts at 0), and the end; every tile starts
-    1024-byte aligned."""
-    k_off = cfg.block_m * cfg.d_pad
+    """Element offsets of the K buffers and of the V buffers (Q_i's buffers start at 0), and the end; every tile
+    starts 1024-byte aligned."""
+    k_off = cfg.q_buffers * cfg.block_m * cfg.d_pad
     v_off = k_off + cfg.kv_buffers * cfg.block_n * cfg.d_pad
     return k_off, v_off, v_off + cfg.kv_buffers * cfg.block_n * cfg.d_pad
 
@@ -593,13 +640,19 @@ def _forward_wgmma_kernel(cfg: WGConfig):
     Q_BYTES, TILE_BYTES = BLOCK_M * D_PAD * 2, BLOCK_N * D_PAD * 2  # bytes of Q_i, of K_j (or of V_j)
     PIN = cfg.pin_softmax  # ws-overlap: the softmax of S_j pinned between the waits for S_j and for P V
     SPLIT = cfg.split_kv  # TMA: K_j and V_j on their own mbarriers, released on their own named barriers
-    N_BARS = (2 if SPLIT else 1) * STAGES + 1  # TMA: the stages' mbarriers (K's, then V's if split), then Q_i's
+    NEG_INF, ZERO = numba.float32(-math.inf), numba.float32(0)
+    Q_BUFS = cfg.q_buffers  # TMA: Q_i of the block's n-th item (with key tiles) goes into buffer n % Q_BUFS
+    SEAM = cfg.seam  # ws-overlap: an item's last P V and the next item's first S issued in one turn
+    N_BARS = (2 if SPLIT else 1) * STAGES + Q_BUFS  # TMA: the stages' mbarriers (K's, then V's if split), then Q's
     VBAR = STAGES if SPLIT else 0  # TMA: V of stage s lands on bars[VBAR + s] (split), else with its K on bars[s]
-    QBAR = N_BARS - 1  # TMA: the mbarrier of Q_i, after the stages' ("Q_i has landed"; phase n: the block's n-th item)
-    QEMPTY = EMPTY + STAGES  # TMA: named barrier "both warpgroups are done with Q_i" (their item's last S)
-    # Named barriers "the V of stage s is free" (split: QEMPTY + 1 + s; with two consumers and 4 stages the last is
-    # 15, the last there is: WGConfig.named_barriers); else V is freed with its K at EMPTY + s.
-    VEMPTY = QEMPTY + 1 if SPLIT else EMPTY
+    # TMA: the mbarrier of Q buffer u is bars[QBAR + u], after the stages' ("Q_i has landed"; its phase n: the n-th
+    # item to use the buffer)
+    QBAR = N_BARS - Q_BUFS
+    # TMA: named barrier QEMPTY + u, "every consumer is done with the Q_i of buffer u" (their item's last S)
+    QEMPTY = EMPTY + STAGES
+    # Named barriers "the V of stage s is free" (split: QEMPTY + Q_BUFS + s; with two consumers, one Q buffer and
+    # 4 stages the last is 15, the last there is: WGConfig.named_barriers); else V is freed with its K at EMPTY + s.
+    VEMPTY = QEMPTY + Q_BUFS if SPLIT else EMPTY
 
     @device_function
     def issue_tile(smem, maps, bars, b, h, tile, stage, kv, expect):
@@ -615,11 +668,12 @@ def _forward_wgmma_kernel(cfg: WGConfig):
             T.tma_load_4d(smem, offset + p * BLOCK_N * PANEL, maps[kv], PANEL * p, tile * BLOCK_N, h, b, bars, bar)
 
     @device_function
-    def issue_q(smem, maps, bars, b, h, q_start):
-        """TMA: Q_i (rows ``q_start ...``) into its buffer, on its own mbarrier ``bars[QBAR]``."""
-        T.mbarrier_arrive_expect_tx(bars, QBAR, Q_BYTES)
+    def issue_q(smem, maps, bars, b, h, q_start, u):
+        """TMA: Q_i (rows ``q_start ...``) into Q buffer ``u``, on that buffer's mbarrier ``bars[QBAR + u]``."""
+        T.mbarrier_arrive_expect_tx(bars, QBAR + u, Q_BYTES)
         for p in range(PANELS):
-            T.tma_load_4d(smem, p * BLOCK_M * PANEL, maps[0], PANEL * p, q_start, h, b, bars, QBAR)
+            T.tma_load_4d(smem, u * BLOCK_M * D_PAD + p * BLOCK_M * PANEL, maps[0], PANEL * p, q_start, h, b, bars,
+                          QBAR + u)
 
     @device_function
     def item_tiles(item, n_qt, heads, seqlen_q, seqlen_k, causal, paired):
@@ -734,8 +788,9 @@ def _forward_wgmma_kernel(cfg: WGConfig):
 
         @device_function
         def overlapped_tile(S, P, acc, m_i, l_i, alpha, bars, q_desc, k_desc, v_desc, c, j, n_tiles, row0,
-                            seqlen_q, seqlen_k, causal, g, t, scale_log2, mine, other):
-            """Key tile j >= 1 of an item (the block's tile c + j): in my turn S_j = Q_i K_jᵀ and
+                            seqlen_q, seqlen_k, causal, g, t, scale_log2, mine, other, q_empty):
+            """Key tile j >= 1 of an item (the block's tile c + j; Q_i released at ``q_empty``): in my turn
+            S_j = Q_i K_jᵀ and
             O += P_{j-1} V_{j-1} (two groups), the softmax of S_j while P V still runs, then O rescaled and P_j
             packed.  From the first commit to the last wait the code is one basic block: ptxas waits for every
             wgmma in flight at the first block boundary, so a branch there (a mask test, a conditional product)
@@ -755,7 +810,7 @@ def _forward_wgmma_kernel(cfg: WGConfig):
             if SPLIT:
                 HW.named_barrier_arrive(EMPTY + stage, HANDSHAKE)  # K_j is read: it may be refilled
             if TMA and j == n_tiles - 1:
-                HW.named_barrier_arrive(QEMPTY, HANDSHAKE)  # my last S of the item: Q_i may be refilled
+                HW.named_barrier_arrive(q_empty, HANDSHAKE)  # my last S of the item: Q_i may be refilled
             if MASKED:
                 mask_scores(S, row0, j * BLOCK_N, seqlen_q, seqlen_k, causal, g, t)
             softmax_rows(S, m_i, l_i, scale_log2, alpha)  # S becomes P_j; O must be scaled by alpha
@@ -767,6 +822,80 @@ def _forward_wgmma_kernel(cfg: WGConfig):
         return overlapped_tile
 
     overlapped_tile, overlapped_masked_tile = make_overlapped_tile(False), make_overlapped_tile(True)
+
+    @device_function
+    def write_item(o, lse, acc, m_i, l_i, item, n_qt, heads, seqlen_q, causal, paired, warp_row, g, t):
+        """Step 3 of work item ``item`` (seam: written after the next item has started): O = acc / l and
+        lse = m + log l for the warp's rows, ``warp_row`` … of the item's query tile."""
+        qt, h, b = d_work_item(item, n_qt, heads, causal, paired)
+        write_rows(o, lse, acc, m_i, l_i, b, h, qt * BLOCK_M + warp_row, seqlen_q, g, t)
+
+    @device_function
+    def zero_rows(acc):
+        """seam: the new item's O accumulators start at zero (its m_i, l_i are set by the seam step)."""
+        for dt in range(D_TILES):
+            for i in range(4):
+                acc[dt, i] = ZERO
+
+    def make_seam_tile(MASKED):
+        """ws-overlap's seam step (``cfg.seam``); ``MASKED``: the new item's key tile 0 needs a mask.
+
+        The step takes 24 arguments and leaves the write of the previous item's O to its caller: CPython compiles
+        a call with more than 30 positional arguments as a call with ``*args``, which Numba's inliner refuses
+        ("Calling a closure with *args is unsupported"; the simulator, running Python, does not mind)."""
+
+        @device_function
+        def seam_tile(S, P, acc, m_i, l_i, alpha, m_prev, l_prev, bars, q_desc, k_desc, v_desc, c, n_tiles, row0,
+                      seqlen_q, seqlen_k, causal, g, t, scale_log2, mine, other, q_empty):
+            """The seam between two items: the previous item's last O += P V (its tile c - 1) and the new item's
+            S_0 = Q_i K_0ᵀ (the block's tile c) in one turn, as an overlapped step's pair.  Under the P V: the
+            previous item's row statistics set aside in ``m_prev``, ``l_prev``, the new item's first softmax (its
+            O is zero: nothing to rescale).  Then P_0 packed; ``acc`` holds the previous item's finished O, for
+            the caller to write (:func:`write_item`) and zero.  From the first commit to the wait for P V the code
+            is one basic block, as in ``overlapped_tile``."""
+            stage = c % STAGES
+            prev = (c - 1) % STAGES
+            # The same issue as overlapped_tile's (written out again, not shared: a shared helper changed the
+            # default kernels' cubins, offline, and those are the ones measured and sanitized).
+            wait_full(bars, c)  # K_0 (unless split, V_0) of the new item has landed
+            wait_v(bars, c - 1)  # split: the previous item's last V has landed
+            HW.named_barrier_sync(mine, PAIR)
+            s, o_t = issue_pair(acc, P, q_desc, k_desc + u64((stage * KV_STRIDE * 2) >> 4),
+                                v_desc + u64((prev * KV_STRIDE * 2) >> 4))
+            HW.named_barrier_arrive(other, PAIR)
+
+            s_landed(s, S)
+            if SPLIT:
+                HW.named_barrier_arrive(EMPTY + stage, HANDSHAKE)  # K_0 is read: it may be refilled
+            if n_tiles == 1:
+                HW.named_barrier_arrive(q_empty, HANDSHAKE)  # my last S of the item: Q_i may be refilled
+            for r in range(2):  # the previous item's rows: their statistics set aside, the new item's start
+                m_prev[r] = m_i[r]
+                l_prev[r] = l_i[r]
+                m_i[r] = NEG_INF
+                l_i[r] = ZERO
+            if MASKED:
+                mask_scores(S, row0, 0, seqlen_q, seqlen_k, causal, g, t)
+            softmax_rows(S, m_i, l_i, scale_log2, alpha)  # S becomes P_0 (alpha: 0, unused)
+            HW.wgmma_wait_group(0)  # the previous item's last P V
+            o_t = HW.wgmma_fence_operand(o_t)
+            HW.acc_to_array(o_t, acc)
+            HW.named_barrier_arrive(VEMPTY + prev, HANDSHAKE)  # its V (its tile) is free
+            for kk in range(PV_STEPS):
+                p_frags(P, S, kk, kk)
+
+        return seam_tile
+
+    seam_tile, seam_masked_tile = make_seam_tile(False), make_seam_tile(True)
+
+    @device_function
+    def last_pv_in_turn(acc, P, S, bars, v_desc, c, mine, other):
+        """ws-overlap: an item's last O += P V (its last tile is the block's tile c - 1), in one more turn of its
+        own; P is packed again from S.  Then that tile's V (without split_kv, the whole tile) is free."""
+        wait_v(bars, c - 1)  # split: V has landed
+        last = (c - 1) % STAGES
+        pv_in_turn(acc, P, S, v_desc + u64((last * KV_STRIDE * 2) >> 4), mine, True, other)
+        HW.named_barrier_arrive(VEMPTY + last, HANDSHAKE)
 
     @device_function
     def overlap_refill(smem, k, v, b, h, j, n_tiles, seqlen_k, tid):
@@ -833,6 +962,8 @@ def _forward_wgmma_kernel(cfg: WGConfig):
         bars = cuda.shared.array(N_BARS, numba.uint64)
 
         S = cuda.local.array((N_TILES, 4), numba.float32)  # S (then P), this thread's part
+        m_prev = cuda.local.array(2, numba.float32)  # seam: the previous item's m_i ...
+        l_prev = cuda.local.array(2, numba.float32)  # ... and l_i, while the next item's first softmax runs
         acc = cuda.local.array((D_TILES, 4), numba.float32)  # O accumulators
         P = cuda.local.array((PV_STEPS, 4), numba.uint32)  # P's A fragments, one row per k-step
         alpha = cuda.local.array(2, numba.float32)  # rows g, g + 8: rescaling of O by the newest tile
@@ -900,7 +1031,15 @@ def _forward_wgmma_kernel(cfg: WGConfig):
                     i_start, ih, ib, i_tiles = item_tiles(item, n_qt, heads, seqlen_q, seqlen_k, causal, chunk == 2)
                     for j in range(i_tiles):
                         if j == 0 and nq == 0 and issuer:
-                            issue_q(smem, maps, bars, ib, ih, i_start)  # the block's first Q_i: a free buffer
+                            issue_q(smem, maps, bars, ib, ih, i_start, 0)  # the block's first Q_i: a free buffer
+                        if j == 0 and nq > 0 and Q_BUFS == 2:
+                            # Two Q buffers: this item's Q_i goes into the one the item before last used, once
+                            # every consumer has waited for its last S there; ahead of the item's K_0, and about
+                            # STAGES tiles before the consumers finish the previous item.
+                            if nq >= 2:
+                                HW.named_barrier_sync(QEMPTY + nq % 2, HANDSHAKE)
+                            if issuer:
+                                issue_q(smem, maps, bars, ib, ih, i_start, nq % 2)
                         if c >= STAGES:
                             # Both warpgroups have waited for their last wgmma reading tile c - STAGES (split: for
                             # their S of it, the last to read its K).
@@ -909,11 +1048,11 @@ def _forward_wgmma_kernel(cfg: WGConfig):
                             issue_tile(smem, maps, bars, ib, ih, j, c % STAGES, 1, TILE_BYTES * (1 if SPLIT else 2))
                             if not SPLIT:
                                 issue_tile(smem, maps, bars, ib, ih, j, c % STAGES, 2, 0)
-                        if j == 0 and nq > 0:
-                            # Both warpgroups have waited for the previous item's last S: its Q_i is not read any more.
+                        if j == 0 and nq > 0 and Q_BUFS == 1:
+                            # Every consumer has waited for the previous item's last S: its Q_i is not read any more.
                             HW.named_barrier_sync(QEMPTY, HANDSHAKE)
                             if issuer:
-                                issue_q(smem, maps, bars, ib, ih, i_start)
+                                issue_q(smem, maps, bars, ib, ih, i_start, 0)
                         if SPLIT:
                             if c >= STAGES:
                                 # Both warpgroups have waited for their P V of tile c - STAGES, the last to read its V.
@@ -930,8 +1069,8 @@ def _forward_wgmma_kernel(cfg: WGConfig):
                 HW.named_barrier_sync(EMPTY + cc % STAGES, HANDSHAKE)
                 if SPLIT:
                     HW.named_barrier_sync(VEMPTY + cc % STAGES, HANDSHAKE)
-            if nq > 0:
-                HW.named_barrier_sync(QEMPTY, HANDSHAKE)
+            for u in range(max(nq - Q_BUFS, 0), nq):
+                HW.named_barrier_sync(QEMPTY + u % Q_BUFS, HANDSHAKE)
             # Done.  The thread ends here rather than running past the consumers' code: ptxas keeps a decreased
             # register count only if no instruction reachable after it needs more.
             return
@@ -982,78 +1121,114 @@ def _forward_wgmma_kernel(cfg: WGConfig):
         # ws, a consumer warpgroup: the block's items in turn; the turns and the stages run on across items.
         c = 0  # the block's tiles before this item
         nq = 0  # its items with at least one key tile before this one
+        pending = False  # seam: an item whose last O += P V is still to issue (its P_{n-1} in P, its O in acc)
+        prev_item = numba.int64(0)  # ... and its index (its rows found again when they are written)
         ch = numba.int64(cuda.blockIdx.x)
         while WS and not producer and ch < n_chunks:  # WS first: the loop is gone from the other pipelines' code
             for item in range(ch * chunk, min(ch * chunk + chunk, n_items)):
                 q_start, h, b, n_tiles = item_tiles(item, n_qt, heads, seqlen_q, seqlen_k, causal, chunk == 2)
                 row0 = q_start + 16 * (tid // 32)
-                init_rows(m_i, l_i, acc)
                 # ws-overlap: the item's first key tile that needs a mask.  (Not computed in ws: though unused there,
                 # it kept one more value live and made the cp.async ws kernel at D = 96 spill, offline ptxas.)
                 masked_from = d_first_masked_tile(q_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal) if WSO else 0
+                qb = nq % Q_BUFS  # the item's Q_i buffer, its descriptor and its release
+                q_desc_i = HW.d_make_smem_desc(HW.smem_address(smem, qb * (BLOCK_M * D_PAD) + 64 * PANEL * wg), 16, SBO,
+                                               SW128)
+                q_empty = QEMPTY + qb
                 if TMA and n_tiles > 0:
-                    while not T.mbarrier_try_wait_parity(bars, QBAR, nq % 2):  # Q_i has landed
+                    # Q_i has landed: the (nq // Q_BUFS)-th phase of its buffer's mbarrier
+                    while not T.mbarrier_try_wait_parity(bars, QBAR + qb, (nq // Q_BUFS) % 2):
                         pass
 
-                for j in range(n_tiles if not WSO else 0):
-                    k_start = j * BLOCK_N
-                    stage = (c + j) % STAGES
-                    # The producer has released stage (c + j) % STAGES (K_j, V_j; with cp.async Q_i with tile 0).
-                    wait_full(bars, c + j)
-
-                    # S = Q_i K_jᵀ in my turn.  The turns alternate strictly, one product each: S(wg0), S(wg1),
-                    # PV(wg0), PV(wg1), S(wg0) of the next tile ...; so one warpgroup's softmax runs under the other's
-                    # product.
-                    s_in_turn(S, q_desc, k_desc + u64((stage * KV_STRIDE * 2) >> 4), True, mine, True, other)
-                    if TMA and j == n_tiles - 1:
-                        HW.named_barrier_arrive(QEMPTY, HANDSHAKE)  # my last S of the item: Q_i may be refilled
-                    if SPLIT:
-                        HW.named_barrier_arrive(EMPTY + stage, HANDSHAKE)  # K_j is read: it may be refilled
-                    if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
-                        mask_scores(S, row0, k_start, seqlen_q, seqlen_k, causal, g, t)
-                    online_softmax(S, acc, m_i, l_i, scale_log2)
-                    # O += P V_j in my next turn (split: once V_j has landed).
-                    wait_v(bars, c + j)
-                    pv_in_turn(acc, P, S, v_desc + u64((stage * KV_STRIDE * 2) >> 4), mine, True, other)
-                    # The producer may refill this stage (split: its V; else K and V).
-                    HW.named_barrier_arrive(VEMPTY + stage, HANDSHAKE)
-
-                if WSO and n_tiles > 0:
-                    # The item's key tile 0: S_0 alone in my turn (no P V yet), waited for; then P_0.
-                    wait_full(bars, c)  # K_0 (with cp.async, Q_i too) has landed
-                    s_in_turn(S, q_desc, k_desc + u64(((c % STAGES) * KV_STRIDE * 2) >> 4), True, mine, True, other)
-                    if SPLIT:
-                        HW.named_barrier_arrive(EMPTY + c % STAGES, HANDSHAKE)  # K_0 is read: it may be refilled
-                    if TMA and n_tiles == 1:
-                        HW.named_barrier_arrive(QEMPTY, HANDSHAKE)  # my last S of the item: Q_i may be refilled
+                if SEAM and pending and n_tiles > 0:
+                    # The previous item's last P V with this item's S_0, in one turn; its O written under the
+                    # others' products.
                     if masked_from == 0:
-                        mask_scores(S, row0, 0, seqlen_q, seqlen_k, causal, g, t)
-                    softmax_rows(S, m_i, l_i, scale_log2, alpha)  # O is still zero: nothing to rescale
-                    for kk in range(PV_STEPS):
-                        p_frags(P, S, kk, kk)
+                        seam_masked_tile(S, P, acc, m_i, l_i, alpha, m_prev, l_prev, bars, q_desc_i, k_desc, v_desc,
+                                         c, n_tiles, row0, seqlen_q, seqlen_k, causal, g, t, scale_log2, mine, other,
+                                         q_empty)
+                    else:
+                        seam_tile(S, P, acc, m_i, l_i, alpha, m_prev, l_prev, bars, q_desc_i, k_desc, v_desc, c,
+                                  n_tiles, row0, seqlen_q, seqlen_k, causal, g, t, scale_log2, mine, other, q_empty)
+                    # Step 3 of the previous item (O = acc / l, lse = m + log l), then the new item's O from zero.
+                    write_item(o, lse, acc, m_prev, l_prev, prev_item, n_qt, heads, seqlen_q, causal, chunk == 2,
+                               16 * (tid // 32), g, t)
+                    zero_rows(acc)
+                    pending = False
+                else:
+                    if SEAM and pending:
+                        # An item that sees no key follows: the previous item's last P V alone, then its O.
+                        last_pv_in_turn(acc, P, S, bars, v_desc, c, mine, other)
+                        write_item(o, lse, acc, m_i, l_i, prev_item, n_qt, heads, seqlen_q, causal, chunk == 2,
+                                   16 * (tid // 32), g, t)
+                        pending = False
+                    init_rows(m_i, l_i, acc)
+
+                    for j in range(n_tiles if not WSO else 0):
+                        k_start = j * BLOCK_N
+                        stage = (c + j) % STAGES
+                        # The producer has released stage (c + j) % STAGES (K_j, V_j; with cp.async Q_i with tile 0).
+                        wait_full(bars, c + j)
+
+                        # S = Q_i K_jᵀ in my turn.  The turns alternate strictly, one product each: S(wg0), S(wg1),
+                        # PV(wg0), PV(wg1), S(wg0) of the next tile ...; so one warpgroup's softmax runs under the
+                        # other's product.
+                        s_in_turn(S, q_desc_i, k_desc + u64((stage * KV_STRIDE * 2) >> 4), True, mine, True, other)
+                        if TMA and j == n_tiles - 1:
+                            HW.named_barrier_arrive(q_empty, HANDSHAKE)  # my last S of the item: Q_i may be refilled
+                        if SPLIT:
+                            HW.named_barrier_arrive(EMPTY + stage, HANDSHAKE)  # K_j is read: it may be refilled
+                        if d_tile_needs_mask(q_start, k_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal):
+                            mask_scores(S, row0, k_start, seqlen_q, seqlen_k, causal, g, t)
+                        online_softmax(S, acc, m_i, l_i, scale_log2)
+                        # O += P V_j in my next turn (split: once V_j has landed).
+                        wait_v(bars, c + j)
+                        pv_in_turn(acc, P, S, v_desc + u64((stage * KV_STRIDE * 2) >> 4), mine, True, other)
+                        # The producer may refill this stage (split: its V; else K and V).
+                        HW.named_barrier_arrive(VEMPTY + stage, HANDSHAKE)
+
+                    if WSO and n_tiles > 0:
+                        # The item's key tile 0: S_0 alone in my turn (no P V yet), waited for; then P_0.
+                        wait_full(bars, c)  # K_0 (with cp.async, Q_i too) has landed
+                        s_in_turn(S, q_desc_i, k_desc + u64(((c % STAGES) * KV_STRIDE * 2) >> 4), True, mine, True,
+                                  other)
+                        if SPLIT:
+                            HW.named_barrier_arrive(EMPTY + c % STAGES, HANDSHAKE)  # K_0 is read: it may be refilled
+                        if TMA and n_tiles == 1:
+                            HW.named_barrier_arrive(q_empty, HANDSHAKE)  # my last S of the item: Q_i may be refilled
+                        if masked_from == 0:
+                            mask_scores(S, row0, 0, seqlen_q, seqlen_k, causal, g, t)
+                        softmax_rows(S, m_i, l_i, scale_log2, alpha)  # O is still zero: nothing to rescale
+                        for kk in range(PV_STEPS):
+                            p_frags(P, S, kk, kk)
                 # Key tiles 1 ...: S_j and P_{j-1} V_{j-1} overlapped, in two loops of straight-line steps: the tiles
                 # that need no mask, then those that do (the last ones, masking.first_masked_tile).
                 for j in range(1, max(1, min(masked_from, n_tiles)) if WSO else 1):
-                    overlapped_tile(S, P, acc, m_i, l_i, alpha, bars, q_desc, k_desc, v_desc, c, j, n_tiles, row0,
-                                    seqlen_q, seqlen_k, causal, g, t, scale_log2, mine, other)
+                    overlapped_tile(S, P, acc, m_i, l_i, alpha, bars, q_desc_i, k_desc, v_desc, c, j, n_tiles, row0,
+                                    seqlen_q, seqlen_k, causal, g, t, scale_log2, mine, other, q_empty)
                 for j in range(max(1, min(masked_from, n_tiles)), n_tiles if WSO else 1):
-                    overlapped_masked_tile(S, P, acc, m_i, l_i, alpha, bars, q_desc, k_desc, v_desc, c, j, n_tiles,
-                                           row0, seqlen_q, seqlen_k, causal, g, t, scale_log2, mine, other)
+                    overlapped_masked_tile(S, P, acc, m_i, l_i, alpha, bars, q_desc_i, k_desc, v_desc, c, j, n_tiles,
+                                           row0, seqlen_q, seqlen_k, causal, g, t, scale_log2, mine, other, q_empty)
 
-                if WSO and n_tiles > 0:
-                    # The item's last O += P V, in one more turn; P is packed again from S.  Then its V (its tile) is
-                    # free.
-                    wait_v(bars, c + n_tiles - 1)
-                    last = (c + n_tiles - 1) % STAGES
-                    pv_in_turn(acc, P, S, v_desc + u64((last * KV_STRIDE * 2) >> 4), mine, True, other)
-                    HW.named_barrier_arrive(VEMPTY + last, HANDSHAKE)
-
-                # Step 3 of the item: O_i = acc / l_i, lse_i = m_i + log l_i.
-                write_rows(o, lse, acc, m_i, l_i, b, h, row0, seqlen_q, g, t)
+                if SEAM and n_tiles > 0:
+                    # The item's last P V waits for the next item's S_0 (or for the block's end).
+                    pending = True
+                    prev_item = item
+                else:
+                    if WSO and n_tiles > 0:
+                        # The item's last O += P V, in one more turn.
+                        last_pv_in_turn(acc, P, S, bars, v_desc, c + n_tiles, mine, other)
+                    # Step 3 of the item: O_i = acc / l_i, lse_i = m_i + log l_i.
+                    write_rows(o, lse, acc, m_i, l_i, b, h, row0, seqlen_q, g, t)
                 c += n_tiles
                 if n_tiles > 0:
                     nq += 1
             ch += cuda.gridDim.x
+        if SEAM and pending:
+            # The block's last item: its last P V alone, then its O.
+            last_pv_in_turn(acc, P, S, bars, v_desc, c, mine, other)
+            write_item(o, lse, acc, m_i, l_i, prev_item, n_qt, heads, seqlen_q, causal, chunk == 2, 16 * (tid // 32),
+                       g, t)
         if WS and wg == 0 and not producer:
             HW.named_barrier_sync(TURN_0, PAIR)  # the last warpgroup's last hand-over (its first, if no tile came)
 

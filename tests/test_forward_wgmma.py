@@ -147,6 +147,33 @@ def test_forward_wgmma_split_kv(xp, rng, pipeline, stages, kind, causal, n_q, n_
 
 
 @hopper
+@pytest.mark.parametrize("block_m,pipeline,stages,seam,kind,causal,n_q,n_k,batch,heads,persistent,split", [
+    # persistent causal pairs, ragged: seams within and across chunks, the first masked tile at the seam
+    (128, "ws-overlap", 3, True, "bfloat16", True, 200, 75, 2, 1, True, False),
+    # 5 non-causal items on 2 blocks: Q buffers refilled (items 3, 4), one-tile items (n_k <= block_n)
+    (128, "ws-overlap", 3, True, "float16", False, 300, 16, 1, 2, True, False),
+    # items that see no key after items with keys (the previous item finished alone), split K/V: per head the
+    # items are query tiles 2 (keys), 0 (none), 1 (keys); two blocks, chunks of two
+    (128, "ws-overlap", 2, True, "float16", True, 300, 150, 1, 2, True, True),
+    # three consumers, two Q buffers without the seam (the ws pipeline and ws-overlap)
+    (192, "ws-overlap", 3, False, "bfloat16", False, 200, 45, 2, 1, True, False),
+    (128, "ws", 2, False, "float16", True, 200, 75, 2, 1, True, False),
+    # three consumers with the seam, one block per chunk (a causal pair: query tiles 2 and 0, then 1 alone)
+    (192, "ws-overlap", 3, True, "float16", True, 400, 390, 1, 1, False, False),
+])
+def test_forward_wgmma_two_q_buffers(xp, rng, block_m, pipeline, stages, seam, kind, causal, n_q, n_k, batch, heads,
+                                     persistent, split):
+    """``q_buffers=2``: the producer copies each item's Q_i into the buffer the item before last used (after
+    QEMPTY + u), so consumers find it landed; ``seam=True``: an item's last P V and the next item's S_0 share one
+    turn, the previous item's O written after it.  A seam that wrote the new item's rows, reused the wrong Q buffer
+    or rescaled the new item's O by the old rows' factors fails the check; a release left untaken hangs."""
+    cfg = W.WGConfig(block_m, 16, 64, kind, pipeline, stages=stages, copies="tma", setmaxnreg=True,
+                     persistent=persistent, split_kv=split, q_buffers=2, seam=seam)
+    run_and_check(xp, rng, n_q, n_k, 64, kind, causal, cfg=cfg, layout="bshd", batch=batch, heads=heads,
+                  launch=launch)
+
+
+@hopper
 @pytest.mark.parametrize("copies,kind,causal,n_q,n_k", [("tma", "bfloat16", True, 130, 75),
                                                         ("cp.async", "float16", False, 70, 83)])
 def test_forward_wgmma_softmax_pinned(xp, rng, copies, kind, causal, n_q, n_k):
@@ -364,6 +391,21 @@ def test_config_validation_and_shared_memory():
         W.WGConfig(64, 64, 64, "float16", "ws")
     k_off, v_off, end = W.shared_offsets(W.WGConfig(192, 64, 96, "bfloat16"))
     assert k_off * 2 % 1024 == 0 and v_off * 2 % 1024 == 0  # every swizzled tile starts 1024-byte aligned
+    # Two Q_i buffers: one more release id (QEMPTY + 1) and one more Q tile of shared memory, ahead of K and V.
+    q2 = W.WGConfig(192, 128, 64, "bfloat16", "ws-overlap", stages=3, copies="tma", q_buffers=2, seam=True)
+    one = dataclasses.replace(q2, q_buffers=1, seam=False)
+    assert q2.named_barriers == one.named_barriers + 1 == 12
+    assert W.shared_offsets(q2)[0] == 2 * 192 * 64 and W.shared_bytes(q2) == W.shared_bytes(one) + 192 * 64 * 2
+    with pytest.raises(ValueError, match="named barriers"):  # two consumers, 4 split stages: 17 ids
+        dataclasses.replace(two, q_buffers=2)
+    with pytest.raises(ValueError, match="q_buffers"):
+        W.WGConfig(128, 16, 64, "float16", "ws", stages=2, copies="tma", q_buffers=3)
+    with pytest.raises(ValueError, match="Q_i buffers"):
+        W.WGConfig(128, 16, 64, "float16", "ws", stages=2, q_buffers=2)  # cp.async: one item per block, one Q
+    with pytest.raises(ValueError, match="seam"):
+        W.WGConfig(128, 16, 64, "float16", "ws", stages=2, copies="tma", q_buffers=2, seam=True)  # no overlap
+    with pytest.raises(ValueError, match="seam"):
+        W.WGConfig(128, 16, 64, "float16", "ws-overlap", stages=3, copies="tma", seam=True)  # Q'_0 needs its buffer
 
 
 _PTX_SCRIPT = r"""

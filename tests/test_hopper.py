@@ -306,7 +306,7 @@ import json, re, sys
 sys.path.insert(0, sys.argv[1])
 import test_hopper as t
 from numba import types
-from nbflash._device import SIMULATOR, compile_ptx_offline, ptxas_info
+from nbflash._device import SIMULATOR, compile_ltoir_offline, compile_ptx_offline, ptxas_info
 assert not SIMULATOR
 
 u16, f32 = types.uint16, types.float32
@@ -323,6 +323,10 @@ for kind, n, swizzle in t.OFFLINE:
     if (kind, n) == ("f16", 8):  # the same PTX retargeted to plain sm_90: ptxas must refuse wgmma
         plain = re.sub(r"^\.target\s+sm_90a", ".target sm_90", ptx, flags=re.M)
         row["plain_sm90_ok"] = ptxas_info(plain, "sm_90", check=False)["ok"]
+        # The same LTO IR linked twice: nvJitLink 13.0 skipped ptxas (and its log) for an input in its cache
+        # unless asked -no-cache; ptxas_info raises when the log lacks the registers.
+        lto = compile_ltoir_offline(t.wgmma_kernel(kind, n, swizzle).py_func, sig, cc=(9, 0, "a"))
+        row["relinked_registers"] = [ptxas_info(lto, "sm_90a")["registers"] for _ in range(2)]
     print(json.dumps(row), flush=True)
 """
 
@@ -345,6 +349,8 @@ def test_wgmma_compiles_and_assembles_for_sm90a():
         assert row["local"] == 0 and row["spill_bytes"] in (0, None), row
     # wgmma is an sm_90a ("arch-specific") feature: ptxas refuses it for plain sm_90.
     assert [r["plain_sm90_ok"] for r in rows if "plain_sm90_ok" in r] == [False]
+    relinked = [r["relinked_registers"] for r in rows if "relinked_registers" in r]
+    assert len(relinked) == 1 and relinked[0][0] > 0 and relinked[0][0] == relinked[0][1], relinked
 
 
 # ----------------------------------------------------------------------------
