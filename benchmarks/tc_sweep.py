@@ -88,7 +88,10 @@ WG_CANDIDATES = {
          # two Q_i buffers, and the seam step between items
          (192, 128, "ws-overlap:3:tma:r:p:::q2"), (192, 128, "ws-overlap:3:tma:r:p:::seam"),
          (192, 128, "ws-overlap:3:tma:r::::seam"), (128, 192, "ws-overlap:3:tma:r:p:::q2"),
-         (128, 192, "ws-overlap:3:tma:r:p:::seam"), (128, 128, "ws-overlap:3:tma:r:p:::seam")],
+         (128, 192, "ws-overlap:3:tma:r:p:::seam"), (128, 128, "ws-overlap:3:tma:r:p:::seam"),
+         # the dynamic scheduler: persistent blocks take their next chunk off a counter
+         (192, 128, "ws-overlap:3:tma:r:pd"), (128, 192, "ws-overlap:3:tma:r:pd"), (128, 128, "ws-overlap:3:tma:r:pd"),
+         (192, 128, "ws-overlap:3:tma:r:pd:::seam")],
     128: [(128, 128, "plain"), (128, 128, "overlap"), (128, 64, "overlap"), (64, 128, "overlap"),
           (128, 128, "pingpong"), (128, 64, "pingpong"), (128, 128, "ws:2"), (128, 128, "ws:3"), (128, 64, "ws:3"),
           (128, 64, "ws:4"), (128, 192, "ws:2"), (128, 128, "ws-overlap:3"), (128, 128, "ws-overlap:4"),
@@ -104,7 +107,11 @@ WG_CANDIDATES = {
           (192, 64, "ws-overlap:3:tma:r:p"), (192, 64, "ws-overlap:4:tma:r:p"),
           # two Q_i buffers (2 stages: 3 do not fit beside them), and the seam step between items
           (128, 128, "ws-overlap:2:tma:r:p:s::q2"), (128, 128, "ws-overlap:2:tma:r:p:s::seam"),
-          (128, 128, "ws-overlap:2:tma:r:p:s")],
+          (128, 128, "ws-overlap:2:tma:r:p:s"),
+          # the dynamic scheduler
+          (128, 128, "ws-overlap:2:tma:r:pd:s"), (128, 128, "ws-overlap:3:tma:r:pd"),
+          (192, 64, "ws-overlap:3:tma:r:pd"),
+          (128, 176, "ws-overlap:2:tma:r:pd:s")],
     256: [(128, 64, "overlap"), (128, 64, "ws:2"), (128, 32, "ws:3")],
 }
 
@@ -112,12 +119,14 @@ WG_CANDIDATES = {
 def wg_config(bm, bn, d, kind, pipe) -> W.WGConfig:
     """A :class:`~nbflash.forward_wgmma.WGConfig` from a candidate (``"ws:3"``: the ws pipeline, 3 stages;
     ``"ws:3:tma"``: the same with TMA copies; ``"ws:3:tma:r"``: and registers moved by ``setmaxnreg``;
-    ``"ws:3:tma:r:p"``: and persistent blocks; ``"ws-overlap:2:tma:r:p:s"``: K and V on their own mbarriers,
+    ``"ws:3:tma:r:p"``: and persistent blocks (``pd``: taking their chunks off a counter, ``dynamic``);
+    ``"ws-overlap:2:tma:r:p:s"``: K and V on their own mbarriers,
     ``split_kv``; a seventh field ``pin``: ws-overlap's softmax pinned between its waits, ``pin_softmax=True``;
     an eighth ``q2``: two Q_i buffers, ``q_buffers=2``, or ``seam``: and the seam step, ``seam=True``)."""
     name, stages, copies, regs, persist, split, pin, q = (pipe.split(":") + [""] * 7)[:8]
     return W.WGConfig(bm, bn, d, kind, name, **({"stages": int(stages)} if stages else {}),
-                      **({"copies": copies} if copies else {}), setmaxnreg=regs == "r", persistent=persist == "p",
+                      **({"copies": copies} if copies else {}), setmaxnreg=regs == "r",
+                      persistent=persist in ("p", "pd"), dynamic=persist == "pd",
                       split_kv=split == "s", pin_softmax=pin == "pin", q_buffers=2 if q in ("q2", "seam") else 1,
                       seam=q == "seam")
 #: Names accepted by --configs besides tags: choose_config's pick for each head dim and dtype, its split pipeline,
@@ -142,7 +151,8 @@ def tag(cfg) -> str:
     each warpgroup also overlapping its softmax with its own P V; ``-tma``: the producer copies with TMA; ``-r``:
     ``setmaxnreg`` moves registers from the producer to the consumers; ``-eager`` (mma.sync): O rescaled at every
     key tile; ``-direct`` (mma.sync): O stored from the registers, not staged in shared memory; ``-lazy``
-    (wgmma): O rescaled only when a row's max moves past the slack; ``-p`` (wgmma): persistent blocks; ``-kv``
+    (wgmma): O rescaled only when a row's max moves past the slack; ``-p`` (wgmma): persistent blocks (``-pd``: with
+    the dynamic scheduler); ``-kv``
     (wgmma): K and V on their own mbarriers and releases, ``split_kv``; ``-pin`` (wgmma): ws-overlap's softmax
     pinned between its waits, ``pin_softmax=True``; ``-q2`` (wgmma): two Q_i buffers; ``-seam`` (wgmma): and the
     seam step between items)."""
@@ -151,7 +161,7 @@ def tag(cfg) -> str:
                   "ws-overlap": f"-wso{cfg.stages}"}[cfg.pipeline]
         copies = "-tma" if cfg.copies == "tma" else ""
         lazy = "-lazy" if cfg.lazy_rescale else ""
-        persist = "-p" if cfg.persistent else ""
+        persist = "-pd" if cfg.dynamic else "-p" if cfg.persistent else ""
         split = "-kv" if cfg.split_kv else ""
         pin = "-pin" if cfg.pin_softmax else ""
         q = "-seam" if cfg.seam else "-q2" if cfg.q_buffers == 2 else ""

@@ -60,6 +60,8 @@ C = COLUMNS
 def summarize(t: np.ndarray) -> dict:
     """Medians over the items of one traced launch (µs)."""
     t = t[t[:, C["start"]] != 0]
+    first = t[:, C["position"]] == 0
+    item = (t[:, C["end"]] - t[:, C["start"]]).astype(np.float64)
     ns = (t[:, C["end_ns"]] - t[:, C["start_ns"]]).astype(np.float64)
     cycles = (t[:, C["end"]] - t[:, C["start"]]).astype(np.float64)
     ghz = float(np.median(cycles[ns > 0] / ns[ns > 0]))  # clock64 ticks per ns
@@ -67,14 +69,16 @@ def summarize(t: np.ndarray) -> dict:
     def us(x):
         return float(np.median(x)) / ghz / 1e3 if len(x) else None
 
-    first = t[:, C["position"]] == 0
-    item = (t[:, C["end"]] - t[:, C["start"]]).astype(np.float64)
     gaps = []
     for blk in np.unique(t[:, C["block"]]):
         rows = t[t[:, C["block"]] == blk]
         rows = rows[np.argsort(rows[:, C["position"]])]
         gaps += list(rows[1:, C["start"]] - rows[:-1, C["end"]])
     span_ns = float(t[:, C["end_ns"]].max() - t[:, C["start_ns"]].min())
+    t0 = t[:, C["start_ns"]].min()
+    blocks, counts = np.unique(t[:, C["block"]], return_counts=True)
+    ends = np.array([t[t[:, C["block"]] == blk, C["end_ns"]].max() - t0 for blk in blocks], np.float64) / 1e3
+    per_tile = item / np.maximum(t[:, C["tiles"]], 1)
     return {
         "items": int(len(t)), "blocks": int(len(np.unique(t[:, C["block"]]))), "clock_ghz": ghz,
         "tiles_median": float(np.median(t[:, C["tiles"]])),
@@ -87,6 +91,14 @@ def summarize(t: np.ndarray) -> dict:
         # > 0: the producer had issued the item's first K/V tile that long before the consumers started the item
         "producer_lead_us": us(t[:, C["start"]] - t[:, C["producer_k0"]]),
         "launch_span_us": span_ns / 1e3,
+        # when each block finished (µs from the launch's first start): a persistent grid ends with its slowest block
+        "block_end_us": [float(np.percentile(ends, p)) for p in (0, 50, 100)],
+        "items_per_block": [int(x) for x in (np.min(counts), np.max(counts))],
+        # items whose time per key tile is over 12 % above the median: the slow mode (bimodal, see the docstring)
+        "slow_item_fraction": float(np.mean(per_tile > 1.12 * np.median(per_tile))),
+        # ... and the blocks with most of their items in it (persistent: a block stays in its mode)
+        "slow_blocks": int(sum(np.mean(per_tile[t[:, C["block"]] == blk] > 1.12 * np.median(per_tile)) > 0.5
+                               for blk in np.unique(t[:, C["block"]]))),
     }
 
 
@@ -100,7 +112,8 @@ def trace(out: str) -> None:
         sys.exit("this tree's forward kernel has no timers: apply benchmarks/trace_forward.diff first")
     base = W.WGConfig(192, 128, 64, "bfloat16", "ws-overlap", stages=3, copies="tma", setmaxnreg=True)
     cases = {"wg192x128-p": dataclasses.replace(base, persistent=True), "wg192x128-np": base,
-             "wg128x192-p": dataclasses.replace(base, block_m=128, block_n=192, persistent=True)}
+             "wg128x192-p": dataclasses.replace(base, block_m=128, block_n=192, persistent=True),
+             "wg192x128-pd": dataclasses.replace(base, persistent=True, dynamic=True)}
     d = 64
     for n, causal in ((2048, False), (4096, False), (16384, False), (2048, True)):
         b, h = 16384 // n, 2048 // d

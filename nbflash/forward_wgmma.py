@@ -204,11 +204,17 @@ fits, 192 does not::
 
 On an H100 it is the pick for long non-causal calls at D <= 64
 (:func:`choose_config`), with one block per work item: persistent blocks
-made the same kernel 13–19 % slower at 2k–4k keys.  Not because of the items
-a block runs in turn: with the grid capped at 2 or 4 blocks per
-multiprocessor (a quarter of the items each) it was still 10 % behind one
-block per item at 2k keys, and neither two Q_i buffers nor the seam step
-below changed it (H100, 2026-12-06).  The cause is not yet measured.
+made the same kernel 13–19 % slower at 2k–4k keys.  Per-item timestamps
+(``benchmarks/trace_forward.py``, H200, 2026-12-06) found why: an item of
+this kernel takes one of two times, about 25 % apart (at 2k keys 25 or
+31 µs; about 9 % of the items are slow at 2k, 5 % at 4k), and a persistent
+block keeps its mode for all of its ~21 items.  The other blocks finished
+at 544 µs (median), the slow ones at up to 728: the launch waited for them.
+With one block per item the hardware hands a slow block's successor to
+whichever multiprocessor frees first, so the slow items spread out.  The
+dynamic scheduler below does the same for persistent blocks.  (What puts a
+block into the slow mode is not measured; the two-consumer kernels do not
+show it.)
 
 **Work items and persistent blocks** (the ws pipelines).  Their grid is
 1-D: a *work item* is one query tile of one (batch, head)
@@ -219,6 +225,27 @@ of a head with its shortest, and so on), so chunks cost about the same; a
 non-causal chunk is one item.  With ``persistent=True`` the grid has one
 block per multiprocessor (FlashAttention-3's persistent kernel); otherwise
 one block per chunk, each running one chunk.  The compiled kernel is the same.
+
+**The dynamic scheduler** (``dynamic=True``, persistent blocks).  A block
+still starts with chunk ``blockIdx.x``, but then takes the next chunk nobody
+has taken: ``gridDim.x + atomicAdd(sched[0], 1)``, so a block that runs
+slower takes fewer chunks (FlashAttention-3's dynamic persistent scheduler).
+The producer's first thread fetches a chunk one chunk ahead (the atomic's
+latency falls under the copies) and publishes it in one of two shared slots,
+on an mbarrier (``SFULL + r``: one arrival, a release); each consumer waits
+there, reads the slot and arrives at ``SEMPTY + r`` (all consumers), which
+the producer waits for before it writes the slot again two chunks later.  A
+chunk past the last one ends everyone's loop.  Only the producer's first
+warp stays (its lanes wait together and read the slot after a ``syncwarp``;
+the other three warps leave at once, and the handshakes count 32 producer
+threads): with the issuing thread alone in spin loops that the other lanes
+did not share, ptxas spilled 528 bytes offline.  The counter is zero before
+each launch: the last block to finish taking chunks (a second counter,
+``sched[1]``, after a fence) sets both back; each stream has its own pair
+(:func:`work_counter`)::
+
+    producer (1 thread):  fetch c1 ─ K/V of chunk c0 … ─ publish c1, fetch c2 ─ K/V of c1 … ─ publish c2 …
+    consumers:            chunk c0 (blockIdx.x) …      ─ read c1 ─ chunk c1 …             ─ read c2 …
 
 A persistent block pays its set-up once (mbarrier initialisation, the
 register move, the first copies' latency), and the producer runs ahead
@@ -272,6 +299,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import threading
 import types
 from dataclasses import dataclass
 
@@ -360,6 +388,9 @@ class WGConfig:
     # "seam" step), and its O is written while the tensor cores run the other warpgroups' products; so a block's
     # items are one unbroken run of overlapped steps instead of each starting and ending with a lone product.
     seam: bool = False
+    # persistent: blocks take chunks off a global counter as they finish (FlashAttention-3's dynamic scheduler)
+    # instead of chunk blockIdx.x + k · gridDim.x; so a block that runs slower takes fewer items.
+    dynamic: bool = False
 
     def __post_init__(self):
         if self.block_m not in (64, 128, 192):
@@ -410,6 +441,8 @@ class WGConfig:
             raise ValueError(f"the seam step issues the next item's first S with this item's last P V: it needs the "
                              f"ws-overlap pipeline and q_buffers=2, got the {self.pipeline} pipeline with "
                              f"q_buffers={self.q_buffers}")
+        if self.dynamic and not self.persistent:
+            raise ValueError("dynamic scheduling hands a persistent block its next chunk: it needs persistent=True")
         if not self.warp_specialized and self.stages != 2:
             raise ValueError(f"stages applies to the ws pipeline only (the {self.pipeline} pipeline fixes its "
                              f"buffers), got stages={self.stages}")
@@ -592,8 +625,8 @@ def rs_product(n: int, kind: str, k_steps: int):
 
 def forward_wgmma_kernel(cfg: WGConfig):
     """The compiled wgmma forward kernel for one configuration (cached).  Persistent or not, a ws kernel is the
-    same code (only the grid differs, :func:`work_grid`), so both share one."""
-    return _forward_wgmma_kernel(dataclasses.replace(cfg, persistent=False))
+    same code (only the grid differs, :func:`work_grid`), so both share one; a dynamic scheduler is other code."""
+    return _forward_wgmma_kernel(cfg if cfg.dynamic else dataclasses.replace(cfg, persistent=False))
 
 
 @functools.cache
@@ -625,7 +658,8 @@ def _forward_wgmma_kernel(cfg: WGConfig):
     # ws: named barriers FULL + s ("stage s has landed") and EMPTY + s ("... is free"), after the turns'
     FULL = TURN_0 + TURNS
     EMPTY = FULL + STAGES
-    HANDSHAKE = CONSUMERS + PRODUCER_THREADS  # ws: both sides count at FULL and EMPTY
+    # ws: both sides count at FULL and EMPTY (dynamic: only the producer's first warp stays, see below)
+    HANDSHAKE = CONSUMERS + (32 if cfg.dynamic else PRODUCER_THREADS)
     KV_STRIDE = BLOCK_N * D_PAD  # elements from one K (or V) buffer to the other
     steps = fragment_steps(N_TILES, D_TILES, D, cfg.input_kind, cfg.lazy_rescale)
     init_rows, mask_scores, online_softmax = steps.init_rows, steps.mask_scores, steps.online_softmax
@@ -643,11 +677,18 @@ def _forward_wgmma_kernel(cfg: WGConfig):
     NEG_INF, ZERO = numba.float32(-math.inf), numba.float32(0)
     Q_BUFS = cfg.q_buffers  # TMA: Q_i of the block's n-th item (with key tiles) goes into buffer n % Q_BUFS
     SEAM = cfg.seam  # ws-overlap: an item's last P V and the next item's first S issued in one turn
-    N_BARS = (2 if SPLIT else 1) * STAGES + Q_BUFS  # TMA: the stages' mbarriers (K's, then V's if split), then Q's
     VBAR = STAGES if SPLIT else 0  # TMA: V of stage s lands on bars[VBAR + s] (split), else with its K on bars[s]
     # TMA: the mbarrier of Q buffer u is bars[QBAR + u], after the stages' ("Q_i has landed"; its phase n: the n-th
     # item to use the buffer)
-    QBAR = N_BARS - Q_BUFS
+    QBAR = (2 if SPLIT else 1) * STAGES
+    DYNAMIC = cfg.dynamic  # persistent blocks take their chunks off the counter sched[0]
+    # dynamic: the block's chunk u + 1 (its first is blockIdx.x) is published in slot u % 2; bars[SFULL + r]: "slot
+    # r holds the next chunk" (the issuing thread arrives), bars[SEMPTY + r]: "every consumer has read it"
+    SFULL = QBAR + Q_BUFS
+    SEMPTY = SFULL + 2
+    N_MBARS = SFULL + (4 if DYNAMIC else 0)  # TMA: the stages' mbarriers (K's, then V's if split), Q's, the slots'
+    SLOT = N_MBARS  # dynamic: the two slots are bars[SLOT], bars[SLOT + 1] (plain 64-bit words, no mbarriers)
+    N_BARS = N_MBARS + (2 if DYNAMIC else 0)
     # TMA: named barrier QEMPTY + u, "every consumer is done with the Q_i of buffer u" (their item's last S)
     QEMPTY = EMPTY + STAGES
     # Named barriers "the V of stage s is free" (split: QEMPTY + Q_BUFS + s; with two consumers, one Q buffer and
@@ -681,6 +722,38 @@ def _forward_wgmma_kernel(cfg: WGConfig):
         qt, h, b = d_work_item(item, n_qt, heads, causal, paired)
         _, k_end = d_key_range(qt * BLOCK_M, BLOCK_M, seqlen_q, seqlen_k, causal)
         return qt * BLOCK_M, h, b, (k_end + BLOCK_N - 1) // BLOCK_N
+
+    @device_function
+    def fetch_chunk(sched):
+        """dynamic: the next chunk nobody has taken (every block's first is its blockIdx.x, so the counter starts
+        at gridDim.x)."""
+        return numba.int64(cuda.gridDim.x) + numba.int64(cuda.atomic.add(sched, 0, 1))
+
+    @device_function
+    def publish_chunk(bars, kc, ch, issuer):
+        """dynamic, the producer's first warp together: chunk ``ch`` (the issuing thread's) as the block's kc-th
+        (kc >= 1), in slot (kc - 1) % 2 once every consumer has read the chunk kc - 2 there; returns it to every
+        lane."""
+        u = kc - 1
+        if u >= 2:
+            while not T.mbarrier_try_wait_parity(bars, SEMPTY + u % 2, ((u - 2) // 2) % 2):
+                pass
+        if issuer:
+            bars[SLOT + u % 2] = numba.uint64(ch)
+            T.mbarrier_arrive(bars, SFULL + u % 2)  # a release: a consumer that passes the phase sees the slot
+        syncwarp()  # ... and so does every lane of this warp
+        return numba.int64(bars[SLOT + u % 2])
+
+    @device_function
+    def read_chunk(bars, kc):
+        """dynamic, a consumer: the block's kc-th chunk (kc >= 1), once published; then my arrival at the slot's
+        release."""
+        u = kc - 1
+        while not T.mbarrier_try_wait_parity(bars, SFULL + u % 2, (u // 2) % 2):
+            pass
+        ch = numba.int64(bars[SLOT + u % 2])
+        T.mbarrier_arrive(bars, SEMPTY + u % 2)
+        return ch
 
     @device_function
     def wait_full(bars, j):
@@ -940,7 +1013,7 @@ def _forward_wgmma_kernel(cfg: WGConfig):
     # ws: 384 threads (512 with three consumers), so ptxas must keep to 65536 / 384 = 168 (128) registers per thread
     # (the launch bounds), and setmaxnreg moves them between the roles
     @kernel(fastmath=True, launch_bounds=(THREADS, 1) if WS else None)
-    def flash_forward_wgmma(q, k, v, o, lse, qk_scale_log2, causal, maps):
+    def flash_forward_wgmma(q, k, v, o, lse, qk_scale_log2, causal, maps, sched):
         """One block: O_i and lse_i for BLOCK_M queries of one (batch, head); in ws, for each work item (a query
         tile of some head and batch, :func:`work_item`) that falls to the block."""
         seqlen_q = q.shape[2]
@@ -1010,8 +1083,9 @@ def _forward_wgmma_kernel(cfg: WGConfig):
 
         if TMA:
             if tid == CONSUMERS:  # the producer's first thread issues every copy; one arrival per phase
-                for bar in range(N_BARS):
-                    T.mbarrier_init(bars, bar, 1)
+                for bar in range(N_MBARS):
+                    # one arrival per phase; a slot's release waits for every consumer
+                    T.mbarrier_init(bars, bar, CONSUMERS if DYNAMIC and bar >= SEMPTY else 1)
                 T.fence_mbarrier_init()  # ... visible to the TMA unit (the async proxy) too
             cuda.syncthreads()  # the barriers are initialised before any thread waits on them
 
@@ -1022,10 +1096,16 @@ def _forward_wgmma_kernel(cfg: WGConfig):
             # tiles are copied while the consumers still work on this one; its Q_i once they are done with this Q_i.
             if SETMAXNREG:
                 HW.setmaxnreg_dec(PRODUCER_REGS)  # a few counters and addresses: the rest go to the consumers
+            if DYNAMIC and tid >= CONSUMERS + 32:
+                return  # dynamic: the first warp alone joins the handshakes (HANDSHAKE counts it), and takes chunks
             issuer = tid == CONSUMERS
             c = 0  # the block's tiles issued so far
             nq = 0  # the block's items with at least one key tile so far (one Q_i each)
             ch = numba.int64(cuda.blockIdx.x)  # a while loop: range() with a run-time step divides (see work_item)
+            kc = 0  # dynamic: the block's chunks so far
+            nxt = ch  # dynamic, the issuer: the block's next chunk, fetched one chunk ahead (its latency hidden)
+            if DYNAMIC and issuer:
+                nxt = fetch_chunk(sched)
             while ch < n_chunks:
                 for item in range(ch * chunk, min(ch * chunk + chunk, n_items)):
                     i_start, ih, ib, i_tiles = item_tiles(item, n_qt, heads, seqlen_q, seqlen_k, causal, chunk == 2)
@@ -1062,7 +1142,21 @@ def _forward_wgmma_kernel(cfg: WGConfig):
                         c += 1
                     if i_tiles > 0:
                         nq += 1
-                ch += cuda.gridDim.x
+                if DYNAMIC:
+                    kc += 1
+                    ch = publish_chunk(bars, kc, nxt, issuer)  # past the last chunk: the end, for everyone
+                    if issuer and ch < n_chunks:
+                        nxt = fetch_chunk(sched)
+                else:
+                    ch += cuda.gridDim.x
+            if DYNAMIC and issuer:
+                # The block has taken its last chunk.  The last block here sets the counter back to zero for the
+                # next launch (every block's last fetch is ordered before its count here by the fence).
+                cuda.threadfence()
+                if cuda.atomic.add(sched, 1, 1) == cuda.gridDim.x - 1:
+                    cuda.threadfence()
+                    sched[0] = 0
+                    sched[1] = 0
             # The consumers release every tile and every Q_i; the releases nobody refilled are taken here, so that
             # each named barrier's counts match before the block exits.
             for cc in range(max(c - STAGES, 0), c):
@@ -1124,6 +1218,7 @@ def _forward_wgmma_kernel(cfg: WGConfig):
         pending = False  # seam: an item whose last O += P V is still to issue (its P_{n-1} in P, its O in acc)
         prev_item = numba.int64(0)  # ... and its index (its rows found again when they are written)
         ch = numba.int64(cuda.blockIdx.x)
+        kc = 0  # dynamic: the block's chunks so far (its first, blockIdx.x, taken without the slots)
         while WS and not producer and ch < n_chunks:  # WS first: the loop is gone from the other pipelines' code
             for item in range(ch * chunk, min(ch * chunk + chunk, n_items)):
                 q_start, h, b, n_tiles = item_tiles(item, n_qt, heads, seqlen_q, seqlen_k, causal, chunk == 2)
@@ -1223,7 +1318,11 @@ def _forward_wgmma_kernel(cfg: WGConfig):
                 c += n_tiles
                 if n_tiles > 0:
                     nq += 1
-            ch += cuda.gridDim.x
+            if DYNAMIC:
+                kc += 1
+                ch = read_chunk(bars, kc)
+            else:
+                ch += cuda.gridDim.x
         if SEAM and pending:
             # The block's last item: its last P V alone, then its O.
             last_pv_in_turn(acc, P, S, bars, v_desc, c, mine, other)
@@ -1363,10 +1462,25 @@ def choose_config(
     calls, :data:`PERSISTENT_MAX_KEYS`).  ``causal=False`` (it matters at D <= 64 with ``long_keys`` only):
     the pick for non-causal calls.
 
+    Since 2026-12-06 (thirty-seventh session, H100; checked against float64
+    first, worst 0.75 bf16 / 0.63 fp16 of the naive error; compute-sanitizer
+    clean) the three-consumer kernel below runs persistent blocks with the
+    dynamic scheduler (``dynamic=True``, module docstring) below
+    :data:`PERSISTENT_MAX_KEYS` keys: bf16 473 / 499 TFLOP/s at N = 2k / 4k
+    against 436 / 478 with one block per item and 464 / 478 for cuDNN in the
+    same run (fp16 at 2k: 472 against 440 and 466); at 16k it was 1 % behind
+    one block per item (505 against 511; cuDNN 479), which stays the pick
+    there.  At 1k it led too (396 against 391 for the 128 × 128 pick) but
+    cuDNN's 437 was far ahead, and the pick there is unchanged.  Causal calls,
+    where the static pairs already balance the blocks, gained nothing (336 /
+    411 / 488 at 2k / 4k / 16k against 344 / 407 / 479 for the 128 × 192
+    pick), nor did D = 128 beyond noise (+1 % non-causal bf16, −4 … +1 %
+    fp16): both are unchanged (``tc-forward-…-s37-dyn-*.json``).
+
     Since 2026-12-06 (thirty-fifth session, H100, bf16; checked against
     float64 first), non-causal calls at D <= 64 from :data:`WSO_MIN_KEYS_D64`
     keys take three consumer warpgroups, 192 × 128 tiles (ws-overlap, 3
-    stages, TMA, ``setmaxnreg`` 32 / 160), one block per work item: 442 / 480
+    stages, TMA, ``setmaxnreg`` 32 / 160), then one block per work item: 442 / 480
     / 504 TFLOP/s at N = 2k / 4k / 16k against 437 / 464 / 477 for the
     persistent 128 × 192 kernel in the same run, and 467 / 484 / 492 for
     cuDNN (``tc-forward-NVIDIA-H100-80GB-HBM3-2026-12-06-s35-wg3-shapes.json``;
@@ -1475,8 +1589,9 @@ def choose_config(
         return WGConfig(64, 16, head_dim, input_kind)
     d_pad = -(-head_dim // PANEL) * PANEL
     if d_pad <= 64 and long_keys and not causal and copies == "tma":
-        # Three consumer warpgroups (192 query rows), one block per work item: see above.
-        return WGConfig(192, 128, head_dim, input_kind, "ws-overlap", stages=3, copies="tma", setmaxnreg=True)
+        # Three consumer warpgroups (192 query rows); persistent blocks only with the dynamic scheduler: see above.
+        return WGConfig(192, 128, head_dim, input_kind, "ws-overlap", stages=3, copies="tma", setmaxnreg=True,
+                        persistent=persistent, dynamic=persistent)
     if d_pad <= 128 and copies == "tma":
         block_n = 192 if d_pad <= 64 and long_keys else 128
         return WGConfig(128, block_n, head_dim, input_kind, "ws-overlap", stages=3, copies="tma", setmaxnreg=True,
@@ -1493,8 +1608,8 @@ def choose_config(
 WSO_MIN_KEYS_D64 = 2048
 #: Non-causal calls with at least this many keys run one block per work chunk rather than persistent blocks: at 16k
 #: keys the persistent grid was −3 … +1 % (D = 128, bf16 / fp16), at 8k still 1–3 % ahead (``…-persistent-all.json``).
-#: A likely cause, not measured: its static share of equal items cannot even out multiprocessors that run slower,
-#: as the hardware's block scheduler does.
+#: A likely cause (measured for the three-consumer kernel, whose blocks keep a slow mode: the module docstring): a
+#: static share of equal items cannot even out blocks that run slower, as the hardware's block scheduler does.
 PERSISTENT_MAX_KEYS = 16384
 
 
@@ -1503,9 +1618,9 @@ def config_for(head_dim: int, input_kind: str, q, k, v, causal: bool = False) ->
 
     ``long_keys`` is set from k's length (at D <= 64, from :data:`WSO_MIN_KEYS_D64`
     keys on, the 128 × 192 ws-overlap kernel runs causal calls and the
-    192 × 128 one with three consumers non-causal ones); persistent blocks
-    unless the call is non-causal with :data:`PERSISTENT_MAX_KEYS` keys or
-    more (or takes the three-consumer kernel).
+    192 × 128 one with three consumers non-causal ones, its persistent blocks
+    with the dynamic scheduler); persistent blocks unless the call is
+    non-causal with :data:`PERSISTENT_MAX_KEYS` keys or more.
 
     Where it copies with TMA, the best configuration that copies with
     ``cp.async`` instead when the TMA one cannot run on the arrays
@@ -1557,16 +1672,64 @@ def launch_forward_wgmma(cfg: WGConfig, q, k, v, o, lse, scale: float, causal: b
         raise ValueError(f"wgmma forward configuration {cfg} cannot run: {why}")
     batch, heads, seqlen_q, _ = q.shape
     grid = work_grid(cfg, batch, heads, seqlen_q, causal)
-    args = (q, k, v, o, lse, float(scale * LOG2E), bool(causal), tensor_maps(cfg, q, k, v))
+    args = (q, k, v, o, lse, float(scale * LOG2E), bool(causal), tensor_maps(cfg, q, k, v), work_counter(cfg))
     launch(forward_wgmma_kernel(cfg), grid, (cfg.threads, 1, 1), stream, shared_bytes(cfg), *args)
 
 
 def kernel_signature(cfg: WGConfig):
     """The Numba argument types of the kernel: the ``mma.sync`` kernel's (q, k, v, o, lse, scale, causal), then
-    the tensor maps of q, k, v (:func:`tensor_maps`)."""
+    the tensor maps of q, k, v (:func:`tensor_maps`) and the work counter (:func:`work_counter`)."""
     from numba import types
 
-    return (*tc_kernel_signature(cfg), types.Array(types.uint8, 2, "C"))
+    return (*tc_kernel_signature(cfg), types.Array(types.uint8, 2, "C"), types.Array(types.int32, 1, "C"))
+
+
+#: Work counters handed out per device before another pool is allocated.
+COUNTER_POOL = 256
+_counters: dict = {}  # (device, stream) -> its pair
+_counter_pools: dict = {}  # device -> [pairs (CuPy, COUNTER_POOL × 2 int32), pairs handed out]
+_counter_lock = threading.Lock()
+
+
+def work_counter(cfg: WGConfig):
+    """The kernel's ``sched`` argument: two int32, zero before every launch — the next chunk to hand out (less the
+    grid) and the blocks that have finished taking chunks; the last of them sets both back to zero.
+
+    Only ``cfg.dynamic`` reads it (the other kernels get the same argument, unread).  On the GPU each stream has its
+    own pair (launches on one stream run one after the other; launches on two may overlap), found when the launch
+    is made (:class:`nbflash._launch.Derived`, so a recorded call finds its replay's stream's pair); in the
+    simulator a fresh pair.
+    """
+    if SIMULATOR:
+        return np.zeros(2, np.int32)
+    from . import _launch
+
+    return _launch.Derived(_stream_counter, (), _launch.ArrayArg(0, (2,), (4,), np.dtype(np.int32)))
+
+
+def _stream_counter(sources, stream: int, device: int):
+    """The work counter of ``stream`` on ``device``: a pair from the device's pool, zeroed once when the pool is
+    allocated (never inside a CUDA graph capture) and kept at zero between launches by the kernel."""
+    counter = _counters.get((device, stream))
+    if counter is not None:
+        return counter
+    import cupy as cp
+
+    with _counter_lock, cp.cuda.Device(device):
+        counter = _counters.get((device, stream))
+        if counter is None:
+            pool = _counter_pools.get(device)
+            if pool is None or pool[1] == COUNTER_POOL:
+                if cp.cuda.runtime.streamIsCapturing(stream):
+                    raise RuntimeError("nbflash: the wgmma forward's work counters are allocated outside CUDA graph "
+                                       "captures; run the call once before capturing it")
+                pool = [cp.zeros((COUNTER_POOL, 2), np.int32), 0]
+                cp.cuda.get_current_stream().synchronize()  # zero before any stream's kernel reads them
+                _counter_pools[device] = pool
+            counter = pool[0][pool[1]]
+            pool[1] += 1
+            _counters[(device, stream)] = counter
+    return counter
 
 
 @functools.cache
@@ -1607,5 +1770,7 @@ def compile_targets():
                               for d in dims for kind in ("float16", "bfloat16") if kind == "bfloat16" or d == 128
                               for copies in COPIES))
     cfgs.append(dataclasses.replace(choose_config(128, "bfloat16", simulator=False), pin_softmax=True))
+    # the three-consumer pick with one block per item too (long non-causal calls from PERSISTENT_MAX_KEYS keys)
+    cfgs += [dataclasses.replace(c, persistent=False, dynamic=False) for c in cfgs if c.dynamic]
     return [("flash_forward_wgmma", cfg, forward_wgmma_kernel(cfg), kernel_signature(cfg), True) for cfg in cfgs]
 

@@ -174,6 +174,60 @@ def test_forward_wgmma_two_q_buffers(xp, rng, block_m, pipeline, stages, seam, k
 
 
 @hopper
+@pytest.mark.parametrize("block_m,pipeline,stages,kind,causal,n_q,n_k,batch,heads,extra", [
+    # causal pairs, ragged, 4 chunks on 2 blocks
+    (128, "ws-overlap", 3, "bfloat16", True, 200, 75, 2, 2, {}),
+    # three consumers, 6 non-causal items; the seam across dynamically taken items
+    (192, "ws-overlap", 3, "float16", False, 400, 45, 1, 2, {"q_buffers": 2, "seam": True}),
+    # the ws pipeline, split K/V; items that see no key (query tiles past the keys, causal)
+    (128, "ws", 2, "float16", True, 300, 150, 1, 2, {"split_kv": True}),
+])
+def test_forward_wgmma_dynamic_scheduler(xp, rng, monkeypatch, block_m, pipeline, stages, kind, causal, n_q, n_k,
+                                         batch, heads, extra):
+    """``dynamic=True``: a persistent block takes its first chunk by its index and the next ones off the work
+    counter (the issuing thread fetches, publishes each in a slot on an mbarrier, every other thread reads it and
+    releases the slot).  Two launches share one counter, as launches on one stream do: a block that missed a chunk,
+    took one twice or left the counter non-zero fails the check of either launch (the outputs start as NaN)."""
+    cfg = W.WGConfig(block_m, 16, 64, kind, pipeline, stages=stages, copies="tma", setmaxnreg=True, persistent=True,
+                     dynamic=True, **extra)
+    chunks = -(-(-(-n_q // block_m) * batch * heads) // (2 if causal else 1))
+    if SIMULATOR:
+        assert W.work_grid(cfg, batch, heads, n_q, causal)[0] == 2 < chunks  # chunks handed out at run time
+    counter = xp.zeros(2, np.int32)
+    monkeypatch.setattr(W, "work_counter", lambda cfg: counter)
+    for _ in range(2):
+        run_and_check(xp, rng, n_q, n_k, 64, kind, causal, cfg=cfg, layout="bshd", batch=batch, heads=heads,
+                      launch=launch)
+        assert counter.tolist() == [0, 0]  # the last block set it back
+
+
+@pytest.mark.skipif(SIMULATOR or (compute_capability() or (0, 0))[0] != 9, reason="real tiles on a Hopper GPU")
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_wgmma_dynamic_scheduler_streams(xp, rng, causal):
+    """On the GPU each stream takes its own pair of work counters from the device's pool, and the kernel leaves
+    it at zero: launches on two streams, twice each, at real tiles (several chunks per block)."""
+    import cupy as cp
+
+    cfg = W.WGConfig(192, 128, 64, "bfloat16", "ws-overlap", stages=3, copies="tma", setmaxnreg=True,
+                     persistent=True, dynamic=True)
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
+    for s in streams * 2:
+        with s:
+            run_and_check(xp, rng, 1000, 1100, 64, "bfloat16", causal, cfg=cfg, batch=4, heads=16,
+                          launch=functools.partial(launch, stream=s.ptr))
+    device = cp.cuda.Device().id
+    assert W._counters[(device, streams[0].ptr)] is not W._counters[(device, streams[1].ptr)]
+    for s in streams:
+        s.synchronize()
+        assert W._counters[(device, s.ptr)].tolist() == [0, 0]
+
+
+def test_dynamic_scheduler_needs_persistent_blocks():
+    with pytest.raises(ValueError, match="persistent"):
+        W.WGConfig(128, 128, 64, "bfloat16", "ws-overlap", stages=3, copies="tma", dynamic=True)
+
+
+@hopper
 @pytest.mark.parametrize("copies,kind,causal,n_q,n_k", [("tma", "bfloat16", True, 130, 75),
                                                         ("cp.async", "float16", False, 70, 83)])
 def test_forward_wgmma_softmax_pinned(xp, rng, copies, kind, causal, n_q, n_k):
@@ -205,13 +259,15 @@ def test_forward_wgmma_persistent_real_tiles(xp, rng, n_q, n_k, d, causal, batch
     (2000, 2500, 1, 4, "bfloat16", "bshd"),  # seqlen_q < seqlen_k, a ragged last key tile; strided views
 ])
 def test_forward_wgmma_three_consumers_real_tiles(xp, rng, n_q, n_k, batch, heads, kind, layout):
-    """The GPU's pick for long non-causal calls at D = 64 (three consumer warpgroups, 192 × 128 tiles, one block per
-    work item, :func:`config_for`) at its own tiles, against float64."""
+    """The GPU's pick for long non-causal calls at D = 64 (three consumer warpgroups, 192 × 128 tiles, persistent
+    blocks with the dynamic scheduler below PERSISTENT_MAX_KEYS keys, :func:`config_for`) at its own tiles, against
+    float64; and the same tiles with one block per item."""
     q = xp.empty((batch, heads, n_q, 64), np.float16)
     kv = xp.empty((batch, heads, n_k, 64), np.float16)
     cfg = W.config_for(64, kind, q, kv, kv, False)
-    assert (cfg.block_m, cfg.block_n, cfg.persistent) == (192, 128, False)
-    run_and_check(xp, rng, n_q, n_k, 64, kind, False, cfg=cfg, batch=batch, heads=heads, layout=layout, launch=launch)
+    assert (cfg.block_m, cfg.block_n, cfg.persistent, cfg.dynamic) == (192, 128, True, True)
+    for c in (cfg, dataclasses.replace(cfg, persistent=False, dynamic=False)):
+        run_and_check(xp, rng, n_q, n_k, 64, kind, False, cfg=c, batch=batch, heads=heads, layout=layout, launch=launch)
 
 
 @pytest.mark.parametrize("n_qt", [1, 2, 5, 16])
@@ -260,8 +316,8 @@ def test_tma_configuration_rules():
             cfg = W.choose_config(d, "bfloat16", simulator=False, long_keys=long_keys, causal=causal)
             want = ("ws-overlap", "tma", block_m, block_n, 3, True)
             assert (cfg.pipeline, cfg.copies, cfg.block_m, cfg.block_n, cfg.stages, cfg.setmaxnreg) == want
-            # three consumers (long non-causal calls): one block per work item, whatever ``persistent`` asks
-            assert cfg.persistent == (block_m == 128)
+            # three consumers (long non-causal calls): persistent blocks take their chunks off the work counter
+            assert cfg.persistent and cfg.dynamic == (block_m == 192)
     for d in (72, 96, 128):
         for long_keys, causal in ((False, True), (True, True), (True, False)):
             cfg = W.choose_config(d, "bfloat16", simulator=False, long_keys=long_keys, causal=causal)
@@ -289,9 +345,10 @@ def test_config_for_persistent_rule(d):
         kv = cp.empty((1, 2, n_k, d), cp.float16)
         for causal in (False, True):
             cfg = W.config_for(d, "float16", q, kv, kv, causal)
-            three = d == 64 and n_k >= W.WSO_MIN_KEYS_D64 and not causal  # 192 × 128, one block per item
+            three = d == 64 and n_k >= W.WSO_MIN_KEYS_D64 and not causal  # 192 × 128 tiles
             assert cfg.copies == "tma" and cfg.block_m == (192 if three else 128), (n_k, causal)
-            assert cfg.persistent == (not three and (causal or n_k < W.PERSISTENT_MAX_KEYS)), (n_k, causal)
+            assert cfg.persistent == (causal or n_k < W.PERSISTENT_MAX_KEYS), (n_k, causal)
+            assert cfg.dynamic == (three and cfg.persistent), (n_k, causal)  # the three-consumer kernel's only
             if d == 64 and not three:
                 assert cfg.block_n == (192 if n_k >= W.WSO_MIN_KEYS_D64 else 128)
     cfg = W.choose_config(d, "float16", simulator=False)
@@ -322,6 +379,20 @@ def test_api_backend_wgmma(xp, rng):
     host = (lambda a: a) if xp is np else (lambda a: a.get())
     np.testing.assert_allclose(host(o).astype(np.float32), host(o_ref).astype(np.float32), atol=2e-3)
     np.testing.assert_allclose(host(lse), host(lse_ref), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(SIMULATOR or (compute_capability() or (0, 0))[0] != 9, reason="real tiles on a Hopper GPU")
+def test_api_dynamic_scheduler_pick(xp, rng):
+    """nbflash.attention's pick for a long non-causal call at D = 64 (three consumers, the dynamic scheduler) through
+    the recorded launch: its work counter made per replay for the call's stream; three calls in a row, against the
+    SIMT kernel."""
+    q, k, v = (xp.asarray(rng.standard_normal((2, 8, n, 64)).astype(np.float16)) for n in (2100, 2200, 2200))
+    plan = nbflash.which_backend(q, k, v)
+    assert plan.backend == "wgmma" and plan.config.dynamic and plan.config.block_m == 192
+    o_ref = nbflash.attention(q, k, v, backend="simt").get().astype(np.float32)
+    for _ in range(3):
+        o = nbflash.attention(q, k, v)
+        np.testing.assert_allclose(o.get().astype(np.float32), o_ref, atol=2e-3)
 
 
 def test_backend_wgmma_refuses_what_it_cannot_run(xp):

@@ -380,6 +380,12 @@ def fake_maps(specs, box_cols=64, stream=0, device=None):
     made.append([(x.ptr, x.shape, x.strides, rows, *box) for x, rows, *box in specs] + [stream, device])
     return SimpleNamespace(data=SimpleNamespace(ptr=0x10000 + 0x100 * len(made)))
 tma.stacked_maps = fake_maps
+# Its work counter (forward_wgmma.work_counter) is a Derived argument too, found per (device, stream): faked alike.
+counters = {}
+def fake_counter(sources, stream, device):
+    ptr = counters.setdefault((device, stream), 0x20000 + 0x100 * len(counters))
+    return SimpleNamespace(data=SimpleNamespace(ptr=ptr))
+forward_wgmma._stream_counter = fake_counter
 
 def direct(launches):  # directly made launches' parameter values (Derived maps made as a replay on stream 0x77
     # makes them), and the maps made
@@ -417,6 +423,12 @@ for layout in ("bhsd", "bshd"):
     want, want_made = direct(real)
     cases.append(dict(case=f"forward tma {layout}", got=got, want=want, n=len(fake), scratch=0,
                       made=[got_made, want_made]))
+    # Each replay's stream finds its own counter.
+    counters.clear()
+    for stream in (0x77, 0x78, 0x77):
+        recipe.values([a.ptr for a in arrays], stream=stream, device=0)
+    cases.append(dict(case=f"forward tma {layout} counters", got=[sorted(counters.items())],
+                      want=[[((0, 0x77), 0x20000), ((0, 0x78), 0x20100)]], n=1, scratch=0))
     # Fresh pointers give fresh maps, made from them.
     made.clear()
     recipe.values([p + 0x1000 for p in ptrs], stream=0x77, device=0)
@@ -429,14 +441,15 @@ plan = api.plan_forward(128, "float16", 0.125, desc(ptrs[0], (B, H, Nq, 128), np
 cases.append(dict(case="forward tma fallback", got=[[plan.backend, plan.config.copies]], want=[["wgmma", "cp.async"]],
                   n=1, scratch=0))
 # At D = 64 TMA at every length: 128 x 128 ws-overlap tiles, and from WSO_MIN_KEYS_D64 keys 128 x 192 ones (causal,
-# persistent blocks) or 192 x 128 ones with three consumers (non-causal, one block per work item).
+# persistent blocks) or 192 x 128 ones with three consumers (non-causal, persistent blocks with the dynamic scheduler
+# below 16k keys, one block per work item from there).
 plans = [api.plan_forward(64, "bfloat16", 0.125, desc(ptrs[0], (1, 2, 64, 64), np.uint16),
                           *(desc(ptrs[1], (1, 2, n, 64), np.uint16),) * 2, "auto", causal)
          for n, causal in ((1024, False), (2048, False), (2048, True), (16384, False), (16384, True))]
 cases.append(dict(case="forward tma at D = 64",
                   got=[[p.config.pipeline, p.config.copies, p.config.block_m, p.config.block_n, p.config.persistent]
                        for p in plans],
-                  want=[["ws-overlap", "tma", 128, 128, True], ["ws-overlap", "tma", 192, 128, False],
+                  want=[["ws-overlap", "tma", 128, 128, True], ["ws-overlap", "tma", 192, 128, True],
                         ["ws-overlap", "tma", 128, 192, True], ["ws-overlap", "tma", 192, 128, False],
                         ["ws-overlap", "tma", 128, 192, True]], n=1, scratch=0))
 # The Hopper backward's warp-specialised dK/dV kernel: its maps (q, do, k, v and the 16-bit view of the scratch
@@ -486,9 +499,9 @@ def test_recipe_replays_exactly_what_a_direct_launch_would_pass():
     out = subprocess.run([sys.executable, "-c", RECIPE_SCRIPT], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     cases = json.loads(out.stdout.strip().splitlines()[-1])
-    # (forward + 2 backward) per backend: fp16, bf16 x 2 backends; fp32 SIMT; the TMA forward (2 layouts x 2, and
-    # its fallbacks); the ws backward and its fallbacks
-    assert len(cases) == 2 * 2 * 3 + 3 + 6 + 2
+    # (forward + 2 backward) per backend: fp16, bf16 x 2 backends; fp32 SIMT; the TMA forward (2 layouts x 3: the
+    # replay, its work counters per stream, fresh pointers; and its fallbacks); the ws backward and its fallbacks
+    assert len(cases) == 2 * 2 * 3 + 3 + 8 + 2
     for c in cases:
         assert c["n"] >= 1 and c["got"] == c["want"], c["case"]
         if "made" in c:  # the replay made its tensor maps from exactly the direct launch's arrays (q, k, v; the
