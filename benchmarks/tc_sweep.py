@@ -91,7 +91,13 @@ WG_CANDIDATES = {
          (128, 192, "ws-overlap:3:tma:r:p:::seam"), (128, 128, "ws-overlap:3:tma:r:p:::seam"),
          # the dynamic scheduler: persistent blocks take their next chunk off a counter
          (192, 128, "ws-overlap:3:tma:r:pd"), (128, 192, "ws-overlap:3:tma:r:pd"), (128, 128, "ws-overlap:3:tma:r:pd"),
-         (192, 128, "ws-overlap:3:tma:r:pd:::seam")],
+         (192, 128, "ws-overlap:3:tma:r:pd:::seam"),
+         # a share of the exponentials by the polynomial on the FMA units (FlashAttention-4's split)
+         (192, 128, "ws-overlap:3:tma:r:pd::::e2"), (192, 128, "ws-overlap:3:tma:r:pd::::e3"),
+         (192, 128, "ws-overlap:3:tma:r:pd::::e4"), (192, 128, "ws-overlap:3:tma:r:::::e3"),
+         (128, 192, "ws-overlap:3:tma:r:p::::e2"), (128, 192, "ws-overlap:3:tma:r:p::::e3"),
+         (128, 192, "ws-overlap:3:tma:r:p::::e4"), (128, 128, "ws-overlap:3:tma:r:p::::e3"),
+         (192, 128, "ws-overlap:3:tma:r:p::::e3")],
     128: [(128, 128, "plain"), (128, 128, "overlap"), (128, 64, "overlap"), (64, 128, "overlap"),
           (128, 128, "pingpong"), (128, 64, "pingpong"), (128, 128, "ws:2"), (128, 128, "ws:3"), (128, 64, "ws:3"),
           (128, 64, "ws:4"), (128, 192, "ws:2"), (128, 128, "ws-overlap:3"), (128, 128, "ws-overlap:4"),
@@ -111,7 +117,8 @@ WG_CANDIDATES = {
           # the dynamic scheduler
           (128, 128, "ws-overlap:2:tma:r:pd:s"), (128, 128, "ws-overlap:3:tma:r:pd"),
           (192, 64, "ws-overlap:3:tma:r:pd"),
-          (128, 176, "ws-overlap:2:tma:r:pd:s")],
+          (128, 176, "ws-overlap:2:tma:r:pd:s"),
+          (128, 128, "ws-overlap:3:tma:r:p::::e2"), (128, 128, "ws-overlap:3:tma:r:::::e2")],
     256: [(128, 64, "overlap"), (128, 64, "ws:2"), (128, 32, "ws:3")],
 }
 
@@ -122,13 +129,17 @@ def wg_config(bm, bn, d, kind, pipe) -> W.WGConfig:
     ``"ws:3:tma:r:p"``: and persistent blocks (``pd``: taking their chunks off a counter, ``dynamic``);
     ``"ws-overlap:2:tma:r:p:s"``: K and V on their own mbarriers,
     ``split_kv``; a seventh field ``pin``: ws-overlap's softmax pinned between its waits, ``pin_softmax=True``;
-    an eighth ``q2``: two Q_i buffers, ``q_buffers=2``, or ``seam``: and the seam step, ``seam=True``)."""
-    name, stages, copies, regs, persist, split, pin, q = (pipe.split(":") + [""] * 7)[:8]
+    an eighth ``q2``: two Q_i buffers, ``q_buffers=2``, or ``seam``: and the seam step, ``seam=True``; a ninth
+    ``e<k>``: k of every 8 exponentials by the polynomial, ``poly_exp2=k``)."""
+    name, stages, copies, regs, persist, split, pin, q, poly = (pipe.split(":") + [""] * 8)[:9]
+    fields = {regs: ("", "r"), persist: ("", "p", "pd"), split: ("", "s"), pin: ("", "pin"), q: ("", "q2", "seam")}
+    if any(v not in ok for v, ok in fields.items()) or (poly and not poly[1:].isdigit()) or len(pipe.split(":")) > 9:
+        raise ValueError(f"candidate {pipe!r}: a field out of place (see wg_config)")
     return W.WGConfig(bm, bn, d, kind, name, **({"stages": int(stages)} if stages else {}),
                       **({"copies": copies} if copies else {}), setmaxnreg=regs == "r",
                       persistent=persist in ("p", "pd"), dynamic=persist == "pd",
                       split_kv=split == "s", pin_softmax=pin == "pin", q_buffers=2 if q in ("q2", "seam") else 1,
-                      seam=q == "seam")
+                      seam=q == "seam", poly_exp2=int(poly[1:]) if poly else 0)
 #: Names accepted by --configs besides tags: choose_config's pick for each head dim and dtype, its split pipeline,
 #: the same with S = Q Kᵀ in straight-line groups of 1 or 2 k-steps (``qk_unroll``), and the wgmma kernel's pick;
 #: ``default-eager``: the pick with O rescaled at every key tile (``lazy_rescale=False``, FlashAttention-2's softmax);
@@ -155,7 +166,7 @@ def tag(cfg) -> str:
     the dynamic scheduler); ``-kv``
     (wgmma): K and V on their own mbarriers and releases, ``split_kv``; ``-pin`` (wgmma): ws-overlap's softmax
     pinned between its waits, ``pin_softmax=True``; ``-q2`` (wgmma): two Q_i buffers; ``-seam`` (wgmma): and the
-    seam step between items)."""
+    seam step between items; ``-e<k>`` (wgmma): k of every 8 exponentials by the polynomial on the FMA units)."""
     if isinstance(cfg, W.WGConfig):
         suffix = {"plain": "-plain", "overlap": "", "pingpong": "-pp", "ws": f"-ws{cfg.stages}",
                   "ws-overlap": f"-wso{cfg.stages}"}[cfg.pipeline]
@@ -165,8 +176,9 @@ def tag(cfg) -> str:
         split = "-kv" if cfg.split_kv else ""
         pin = "-pin" if cfg.pin_softmax else ""
         q = "-seam" if cfg.seam else "-q2" if cfg.q_buffers == 2 else ""
+        poly = f"-e{cfg.poly_exp2}" if cfg.poly_exp2 else ""
         return (f"wg{cfg.block_m}x{cfg.block_n}{suffix}{copies}{'-r' if cfg.setmaxnreg else ''}{lazy}{persist}{split}"
-                f"{pin}{q}")
+                f"{pin}{q}{poly}")
     return (
         f"{cfg.block_m}x{cfg.block_n}{'' if cfg.q_in_regs else 's'}{'/2' if cfg.m_tiles == 2 else ''}"
         f"{'-split' if cfg.kv_pipeline == 'split' else ''}{f'-u{cfg.qk_unroll}' if cfg.qk_unroll else ''}"

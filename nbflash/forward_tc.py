@@ -247,7 +247,8 @@ class FragmentSteps(NamedTuple):
 
 
 @functools.cache
-def fragment_steps(n_tiles: int, d_tiles: int, head_dim: int, input_kind: str, lazy_rescale: bool = True):
+def fragment_steps(n_tiles: int, d_tiles: int, head_dim: int, input_kind: str, lazy_rescale: bool = True,
+                   poly_exp2: int = 0):
     """The per-row steps of a 16-row m-tile held in the ``mma.m16n8`` accumulator layout, as device functions.
 
     A :class:`FragmentSteps` (``init_rows``, ``mask_scores``, ``online_softmax``,
@@ -271,8 +272,17 @@ def fragment_steps(n_tiles: int, d_tiles: int, head_dim: int, input_kind: str, l
     tile's max passes it by more than :data:`RESCALE_SLACK_LOG2`, and
     ``rescale_rows`` skips the multiplications when no row of the warp moved
     (one ``vote.any``); otherwise every tile rescales (FlashAttention-2).
+
+    ``poly_exp2`` (0 … 8): of every 8 consecutive values of a thread's row in
+    S, the first ``poly_exp2`` are exponentiated by a polynomial on the FMA
+    units (:func:`~nbflash.intrinsics.ex2_poly`), the rest by the
+    special-function unit (FlashAttention-4's split of the exponentials
+    between the two).
     """
     N_TILES, D_TILES, D = n_tiles, d_tiles, head_dim
+    if not 0 <= poly_exp2 <= 8:
+        raise ValueError(f"poly_exp2 counts values of every 8: 0 to 8, got {poly_exp2}")
+    POLY = poly_exp2
     NEG_INF = numba.float32(-math.inf)  # a float32 constant: a Python float would make the softmax float64
     ZERO = numba.float32(0)
     ONE = numba.float32(1)
@@ -333,7 +343,11 @@ def fragment_steps(n_tiles: int, d_tiles: int, head_dim: int, input_kind: str, l
             p_sum = ZERO
             for n in range(N_TILES):
                 for c in range(2):
-                    p = I.ex2_approx(S[n, 2 * r + c] * scale_log2 - m_ref)  # one FFMA and one MUFU.EX2
+                    x = S[n, 2 * r + c] * scale_log2 - m_ref  # one FFMA
+                    if (2 * n + c) % 8 < POLY:  # (a compile-time choice: the loops unroll)
+                        p = I.ex2_poly(x)  # eleven FMA-unit and integer instructions
+                    else:
+                        p = I.ex2_approx(x)  # one MUFU.EX2
                     S[n, 2 * r + c] = p
                     p_sum += p
             l_i[r] = alpha[r] * l_i[r] + p_sum  # reduced over the quad only at the end

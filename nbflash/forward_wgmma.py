@@ -290,6 +290,20 @@ gained the two-consumer kernels 1.5–3 % on causal calls at D = 64 with
 2k–4k keys, nothing on non-causal ones there (±0.5 %) or at D = 128
 (−1 … +1 %), and lost them 1–4 % at 16k keys.  So both stay off.
 
+**Exponentials on two units** (``poly_exp2``, an option, off by default).
+The softmax takes one ``MUFU.EX2`` per score, and the special-function unit
+does 16 a clock per multiprocessor.  At D = 64 a 64 × 192 tile's products
+(Q Kᵀ and P V, 3.1 MFLOP) take the tensor cores 768 clocks at their peak
+(4096 FLOP a clock), and its 12288 exponentials take the special-function
+unit 768 clocks too, so a warpgroup's softmax cannot be shorter than the
+products it should hide under (at D = 128 the products take twice as long).
+With ``poly_exp2 = k``, k of every 8 values of a thread's row are computed
+by :func:`~nbflash.intrinsics.ex2_poly` instead: a degree-4 polynomial and
+an exponent-field add, 11 instructions on the FMA and integer units (128
+lanes a clock), relative error below 3e-6.  FlashAttention-4 splits its
+exponentials this way on Blackwell.  A masked score (-inf) still gives
+P = 0 exactly.
+
 Requires sm_90a.  Constraints (:func:`can_implement`) as for the ``mma.sync``
 kernel: D a multiple of 8 up to 256; rows whole, 16-byte-aligned chunks.
 """
@@ -391,6 +405,10 @@ class WGConfig:
     # persistent: blocks take chunks off a global counter as they finish (FlashAttention-3's dynamic scheduler)
     # instead of chunk blockIdx.x + k · gridDim.x; so a block that runs slower takes fewer items.
     dynamic: bool = False
+    # Of every 8 consecutive values of a thread's row of S, this many are exponentiated by a polynomial on the FMA
+    # units instead of the special-function unit (MUFU.EX2, 16 a clock per multiprocessor: at D = 64 as many
+    # clocks as the tensor cores spend on the tile; forward_tc.fragment_steps, intrinsics.ex2_poly).
+    poly_exp2: int = 0
 
     def __post_init__(self):
         if self.block_m not in (64, 128, 192):
@@ -441,6 +459,9 @@ class WGConfig:
             raise ValueError(f"the seam step issues the next item's first S with this item's last P V: it needs the "
                              f"ws-overlap pipeline and q_buffers=2, got the {self.pipeline} pipeline with "
                              f"q_buffers={self.q_buffers}")
+        if not 0 <= self.poly_exp2 <= 8:
+            raise ValueError(f"poly_exp2 counts values of every 8 exponentiated by the polynomial: 0 to 8, got "
+                             f"{self.poly_exp2}")
         if self.dynamic and not self.persistent:
             raise ValueError("dynamic scheduling hands a persistent block its next chunk: it needs persistent=True")
         if not self.warp_specialized and self.stages != 2:
@@ -661,7 +682,7 @@ def _forward_wgmma_kernel(cfg: WGConfig):
     # ws: both sides count at FULL and EMPTY (dynamic: only the producer's first warp stays, see below)
     HANDSHAKE = CONSUMERS + (32 if cfg.dynamic else PRODUCER_THREADS)
     KV_STRIDE = BLOCK_N * D_PAD  # elements from one K (or V) buffer to the other
-    steps = fragment_steps(N_TILES, D_TILES, D, cfg.input_kind, cfg.lazy_rescale)
+    steps = fragment_steps(N_TILES, D_TILES, D, cfg.input_kind, cfg.lazy_rescale, cfg.poly_exp2)
     init_rows, mask_scores, online_softmax = steps.init_rows, steps.mask_scores, steps.online_softmax
     p_frags, write_rows, softmax_rows = steps.p_frags, steps.write_rows, steps.softmax_rows
     rescale_rows = steps.rescale_rows
@@ -1762,7 +1783,8 @@ def compile_targets():
     """``(name, cfg, kernel, signature, fastmath)`` for the GPU configurations (the PTX check, sm_90a): bfloat16 at
     every head dim, float16 at D = 128 (the two differ only in the wgmma's input type and the packing of P; the
     check takes about half a minute a kernel on CI's two cores, and the simulator runs both kinds everywhere); and
-    the D = 128 pick with ``pin_softmax``, whose schedule the check also reads."""
+    the D = 128 pick with ``pin_softmax``, whose schedule the check also reads, and the D = 64 causal pick with
+    ``poly_exp2``, whose exponentials it counts."""
     dims = (40, 64, 96, 128, 176, 256)
     cfgs = list(dict.fromkeys(choose_config(d, kind, simulator=False, copies=copies, long_keys=long_keys,
                                             causal=causal)
@@ -1770,6 +1792,7 @@ def compile_targets():
                               for d in dims for kind in ("float16", "bfloat16") if kind == "bfloat16" or d == 128
                               for copies in COPIES))
     cfgs.append(dataclasses.replace(choose_config(128, "bfloat16", simulator=False), pin_softmax=True))
+    cfgs.append(dataclasses.replace(choose_config(64, "bfloat16", simulator=False, long_keys=True), poly_exp2=3))
     # the three-consumer pick with one block per item too (long non-causal calls from PERSISTENT_MAX_KEYS keys)
     cfgs += [dataclasses.replace(c, persistent=False, dynamic=False) for c in cfgs if c.dynamic]
     return [("flash_forward_wgmma", cfg, forward_wgmma_kernel(cfg), kernel_signature(cfg), True) for cfg in cfgs]

@@ -28,12 +28,12 @@ A 32-bit fragment register holds two 16-bit elements; "half 0" is the low 16
 bits and holds the element with the smaller PTX index (a0 of the pair a0, a1).
 
 Minimum compute capability: ``mma.m16n8k16`` (f16, bf16), ``cp.async`` and the
-``cvt`` packs need sm_80; ``ldmatrix`` sm_75; ``ex2.approx``, ``red.global.add.f32``,
-the 16-byte global loads and stores (``ld/st.global.v4``, for the backward's
-memory-bound steps 0 and 2') and the 16-byte shared loads (``ld.shared.v4``, the
-forward's epilogue) any; the vector reductions ``red.global.add.v2.f32`` /
-``.v4.f32`` sm_90 (PTX ISA 8.1; ``red_add_f32x4`` falls back to four scalar ``red``
-on older GPUs).
+``cvt`` packs need sm_80; ``ldmatrix`` sm_75; ``ex2.approx``, its FMA-unit
+stand-in ``ex2_poly``, ``red.global.add.f32``, the 16-byte global loads and
+stores (``ld/st.global.v4``, for the backward's memory-bound steps 0 and 2')
+and the 16-byte shared loads (``ld.shared.v4``, the forward's epilogue) any;
+the vector reductions ``red.global.add.v2.f32`` / ``.v4.f32`` sm_90 (PTX ISA
+8.1; ``red_add_f32x4`` falls back to four scalar ``red`` on older GPUs).
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ __all__ = [
     "d_ldmatrix_x4_a_address",
     "d_ldmatrix_x4_bt_address",
     "ex2_approx",
+    "ex2_poly",
     "f32_after",
     "global_address",
     "ld_global_v4_b32",
@@ -701,6 +702,47 @@ def _sim_ex2_approx(x):
     return np.float32(0) if abs(y) < _F32_TINY else np.float32(y)  # .ftz: subnormal result → 0
 
 
+#: ``ex2_poly``: float32 coefficients c1 … c4 of 2**f ≈ 1 + c1·f + c2·f² + c3·f³ + c4·f⁴ on [-1/2, 1/2], fitted
+#: for the least maximum relative error (Lawson's reweighted least squares; the constant term held at 1, so that
+#: 2**0 is exact): 2.9e-6 evaluated in float32 by Horner's rule, a hundredth of fp16's half-ulp (4.9e-4) and far
+#: inside the 1e-5 that lse = m + log l is held to.  (Degree 3 would save one FMA at 1.0e-4: enough for a bf16 P,
+#: not for lse.)
+EXP2_POLY = (0.6931241750717163, 0.24024099111557007, 0.055906400084495544, 0.009582829661667347)
+_ROUNDER = np.float32(12582912.0)  # 1.5 · 2^23: x + this rounds x to an integer, held in the low mantissa bits
+
+
+def _sim_ex2_poly(x):
+    """2**x in float32 on the FMA and integer units, not the special-function unit (after FlashAttention-4).
+
+    The steps: x' = max(x, -127); j = round(x') by adding and subtracting
+    1.5 · 2^23 (the sum's low mantissa bits hold j in two's complement);
+    f = x' − j in [-1/2, 1/2]; p = 2**f by the polynomial :data:`EXP2_POLY`
+    (Horner, four FMAs); then j is added to p's exponent field (an integer
+    add of the sum's bits shifted left by 23).  ``-inf`` (a masked score)
+    gives exactly +0: x' = -127, f = 0, p = 1 and the exponent field becomes
+    0.  x' in (-127, -125) may give a subnormal (flushed by any later
+    ``.ftz`` arithmetic), x up to 127 a normal number; relative error within
+    3e-6 past 2^-125.  Why: at D = 64 a warpgroup's softmax needs one
+    MUFU.EX2 per score, and the special-function unit does 16 a clock per
+    multiprocessor, the tensor cores' pace there; computing a share of the
+    exponentials on the FMA units (128 lanes a clock) shortens the softmax.
+
+    PTX: ``max``, ``add.rn``/``sub.rn`` (not fused), four ``fma.rn``,
+    ``shl.b32``, ``add.s32``; any compute capability.  Simulator: the same
+    steps in NumPy float32, each FMA computed in float64 and rounded once to
+    float32 (the GPU's bits but for rare double roundings).
+    """
+    xc = np.float32(max(np.float32(x), np.float32(-127.0)))
+    t = np.float32(xc + _ROUNDER)
+    j = np.float32(t - _ROUNDER)
+    f = np.float32(xc - j)
+    p = np.float32(EXP2_POLY[-1])
+    for c in (*EXP2_POLY[-2::-1], 1.0):
+        p = np.float32(float(p) * float(f) + float(np.float32(c)))
+    bits = (int(np.array(p).view(np.uint32)) + (int(np.array(t).view(np.uint32)) << 23)) & 0xFFFFFFFF
+    return np.array(bits, dtype=np.uint32).view(np.float32)[()]
+
+
 # Global addresses and fire-and-forget float32 reductions (atomic adds whose old value nobody reads).
 
 
@@ -1160,6 +1202,27 @@ def _make_gpu_unary(name: str, ptx: str, value_type, value_ok, side_effect: bool
 _gpu_ex2_approx = _make_gpu_unary("ex2_approx", "ex2.approx.ftz.f32 $0, $1;", types.float32, _is_number)
 
 
+def _f32_hex(x) -> str:
+    """A float32 constant as PTX writes it (``0f`` and its bits)."""
+    return f"0f{int(np.array(np.float32(x)).view(np.uint32)):08X}"
+
+
+def _ex2_poly_ptx() -> str:
+    """:func:`_sim_ex2_poly`'s steps as one inline-PTX block ($0 = 2**$1)."""
+    horner = "".join(f"fma.rn.f32 ep_p, ep_p, ep_f, {_f32_hex(c)}; " for c in (*EXP2_POLY[-2::-1], 1.0))
+    return ("{ .reg .f32 ep_x, ep_t, ep_j, ep_f, ep_p; .reg .b32 ep_e, ep_b; "
+            f"max.f32 ep_x, $1, {_f32_hex(-127.0)}; "
+            f"add.rn.f32 ep_t, ep_x, {_f32_hex(_ROUNDER)}; "
+            f"sub.rn.f32 ep_j, ep_t, {_f32_hex(_ROUNDER)}; "
+            "sub.rn.f32 ep_f, ep_x, ep_j; "
+            f"mov.f32 ep_p, {_f32_hex(EXP2_POLY[-1])}; " + horner +
+            "mov.b32 ep_e, ep_t; shl.b32 ep_e, ep_e, 23; mov.b32 ep_b, ep_p; add.s32 ep_b, ep_b, ep_e; "
+            "mov.b32 $0, ep_b; }")
+
+
+_gpu_ex2_poly = _make_gpu_unary("ex2_poly", _ex2_poly_ptx(), types.float32, _is_number)
+
+
 @intrinsic
 def _gpu_f32_after(typingctx, x, y):
     if not _is_number(x, y):
@@ -1321,6 +1384,7 @@ pack_bf16x2 = _public(_sim_pack_bf16x2, lambda: _make_gpu_pack("bf16"))
 unpack_f16x2 = _public(_sim_unpack_f16x2, lambda: _make_gpu_unpack("f16"))
 unpack_bf16x2 = _public(_sim_unpack_bf16x2, lambda: _make_gpu_unpack("bf16"))
 ex2_approx = _public(_sim_ex2_approx, lambda: _gpu_ex2_approx)
+ex2_poly = _public(_sim_ex2_poly, lambda: _gpu_ex2_poly)
 f32_after = _public(_sim_f32_after, lambda: _gpu_f32_after)
 global_address = _public(_sim_global_address, lambda: _gpu_global_address)
 pinned_u32 = _public(_sim_pinned_u32, lambda: _gpu_pinned_u32)

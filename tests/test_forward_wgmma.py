@@ -290,6 +290,31 @@ def test_work_items_cover_every_tile_once(n_qt, causal):
 
 
 @hopper
+@pytest.mark.parametrize("cfg,causal,n_q,n_k,growth", [
+    # half the values by the polynomial (2 of the 4 of a thread's row here); causal, ragged, rows that see no key
+    (W.WGConfig(128, 16, 64, "bfloat16", "ws-overlap", stages=3, copies="tma", setmaxnreg=True, persistent=True,
+                poly_exp2=2), True, 130, 75, 0.0),
+    # every value, fp16, the cp.async producer
+    (W.WGConfig(128, 16, 64, "float16", "ws-overlap", stages=3, copies="cp.async", poly_exp2=8), False, 70, 83, 0.0),
+    # every value, three consumers; the lazy rescale, whose exponents reach +8, on scores growing along the keys
+    (W.WGConfig(192, 16, 64, "bfloat16", "ws-overlap", stages=3, copies="tma", setmaxnreg=True, lazy_rescale=True,
+                poly_exp2=8), True, 200, 90, 0.4),
+], ids=["half-bf16-causal", "all-fp16", "all-lazy-growing"])
+def test_forward_wgmma_polynomial_exponentials(xp, rng, cfg, causal, n_q, n_k, growth):
+    """``poly_exp2``: a share of the softmax's exponentials by :func:`~nbflash.intrinsics.ex2_poly` on the FMA
+    units.  Masked scores (-inf) must still give P = 0, rows that see no key O = 0 and lse = -inf, and the
+    results stay within the flash-attn rule (lse within 1e-5)."""
+    run_and_check(xp, rng, n_q, n_k, 64, cfg.input_kind, causal, cfg=cfg, layout="bshd", heads=1, launch=launch,
+                  **({"key_growth": growth} if growth else {}))
+
+
+def test_poly_exp2_counts_of_eight():
+    for bad in (-1, 9):
+        with pytest.raises(ValueError, match="poly_exp2"):
+            W.WGConfig(128, 128, 64, "bfloat16", "ws-overlap", stages=3, copies="tma", poly_exp2=bad)
+
+
+@hopper
 @pytest.mark.parametrize("cfg", [
     W.WGConfig(64, 16, 64, "bfloat16", "overlap", copies="cp.async", lazy_rescale=True),
     W.WGConfig(128, 16, 64, "float16", "ws-overlap", stages=3, copies="tma", setmaxnreg=True, lazy_rescale=True),
@@ -488,9 +513,10 @@ nvdisasm = sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] else None
 
 def overlap(cubin):
     # The most MUFU.EX2 between a wait for all but one wgmma group and the next wait for all (the softmax of S_j
-    # under P_{j-1} V_{j-1}), and whether ptxas closed an empty group with a dummy HGMMA.
+    # under P_{j-1} V_{j-1}), whether ptxas closed an empty group with a dummy HGMMA, every MUFU.EX2, and the
+    # polynomial exponentials (one FADD of -1.5 * 2^23 each, intrinsics.ex2_poly).
     if not (nvdisasm and cubin):
-        return None, None
+        return None, None, None, None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -503,7 +529,8 @@ def overlap(cubin):
             best, count = max(best, count), None
         elif "MUFU.EX2" in line and count is not None:
             count += 1
-    return best, bool(re.search(r"HGMMA\.64x8x16\.\w+ RZ, gdesc\[URZ\]", sass))
+    return (best, bool(re.search(r"HGMMA\.64x8x16\.\w+ RZ, gdesc\[URZ\]", sass)), sass.count("MUFU.EX2"),
+            sass.count(", -12582912 ;"))
 
 for name, cfg, kern, sig, fastmath in importlib.import_module(sys.argv[1]).compile_targets():
     bounds = kern.targetoptions.get("launch_bounds")  # as the kernel is compiled for the GPU (ws: 168 registers)
@@ -512,9 +539,9 @@ for name, cfg, kern, sig, fastmath in importlib.import_module(sys.argv[1]).compi
     # setmaxnreg is honoured only in a whole-program link, as numba-cuda links on a GPU (link-time optimisation).
     lto = getattr(cfg, "setmaxnreg", False)
     info = ptxas_info(compile_ltoir_offline(kern.py_func, sig, **options) if lto else ptx, "sm_90a", check=False)
-    overlapped_ex2, dummy_hgmma = overlap(info.get("cubin"))
+    overlapped_ex2, dummy_hgmma, ex2, poly_ex2 = overlap(info.get("cubin"))
     print(json.dumps(dict(name=name, config=repr(cfg), ok=info["ok"], log=info["log"][-1500:], lto=lto,
-                          overlapped_ex2=overlapped_ex2, dummy_hgmma=dummy_hgmma,
+                          overlapped_ex2=overlapped_ex2, dummy_hgmma=dummy_hgmma, ex2=ex2, poly_ex2=poly_ex2,
                           notes=sorted(set(re.findall(r"\((C75\d\d)\)", info["log"]))),
                           setmaxnreg=sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32 (\d+)", ptx))),
                           registers=info["registers"], spill=info["spill_bytes"],
@@ -553,6 +580,13 @@ def test_gpu_configurations_compile_for_sm90a_without_local_memory():
             assert not row["dummy_hgmma"], row
             if cfg.pin_softmax:
                 assert row["overlapped_ex2"] >= cfg.block_n // 2, row
+        if cfg.poly_exp2 and row["ex2"] is not None:
+            # poly_exp2 = 3: 3 of every 8 of the tiles' exponentials leave the special-function unit for the
+            # polynomial (the rescale factors' stay), in the same kernel otherwise.
+            base = next(r for (_, c, *_), r in zip(W.compile_targets(), rows, strict=True)
+                        if c == dataclasses.replace(cfg, poly_exp2=0))
+            assert base["poly_ex2"] == 0 and row["poly_ex2"] == base["ex2"] - row["ex2"] > 0, (row, base)
+            assert 0.9 * 3 * base["ex2"] < 8 * row["poly_ex2"] <= 3 * base["ex2"], (row, base)
         if cfg.pipeline == "overlap" and cfg.d_pad <= 192 and row["overlapped_ex2"] is not None:
             # The "overlap" pipeline's tile 0 peeled (2026-12-06): no empty group either, up to 12 k-steps of
             # S = Q Kᵀ (at 16, D = 256, NVVM keeps them a loop and its back edge still brings one).
