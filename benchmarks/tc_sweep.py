@@ -132,8 +132,9 @@ def wg_config(bm, bn, d, kind, pipe) -> W.WGConfig:
     an eighth ``q2``: two Q_i buffers, ``q_buffers=2``, or ``seam``: and the seam step, ``seam=True``; a ninth
     ``e<k>``: k of every 8 exponentials by the polynomial, ``poly_exp2=k``)."""
     name, stages, copies, regs, persist, split, pin, q, poly = (pipe.split(":") + [""] * 8)[:9]
-    fields = {regs: ("", "r"), persist: ("", "p", "pd"), split: ("", "s"), pin: ("", "pin"), q: ("", "q2", "seam")}
-    if any(v not in ok for v, ok in fields.items()) or (poly and not poly[1:].isdigit()) or len(pipe.split(":")) > 9:
+    fields = [(regs, ("", "r")), (persist, ("", "p", "pd")), (split, ("", "s")), (pin, ("", "pin")),
+              (q, ("", "q2", "seam"))]  # pairs, not a dict keyed by the values: two fields may hold the same text
+    if any(v not in ok for v, ok in fields) or (poly and not poly[1:].isdigit()) or len(pipe.split(":")) > 9:
         raise ValueError(f"candidate {pipe!r}: a field out of place (see wg_config)")
     return W.WGConfig(bm, bn, d, kind, name, **({"stages": int(stages)} if stages else {}),
                       **({"copies": copies} if copies else {}), setmaxnreg=regs == "r",
