@@ -97,7 +97,12 @@ WG_CANDIDATES = {
          (192, 128, "ws-overlap:3:tma:r:pd::::e4"), (192, 128, "ws-overlap:3:tma:r:::::e3"),
          (128, 192, "ws-overlap:3:tma:r:p::::e2"), (128, 192, "ws-overlap:3:tma:r:p::::e3"),
          (128, 192, "ws-overlap:3:tma:r:p::::e4"), (128, 128, "ws-overlap:3:tma:r:p::::e3"),
-         (192, 128, "ws-overlap:3:tma:r:p::::e3")],
+         (192, 128, "ws-overlap:3:tma:r:p::::e3"),
+         # session 39: causal items one at a time, longest first, off the dynamic scheduler
+         (128, 192, "ws-overlap:3:tma:r:pdl"), (192, 128, "ws-overlap:3:tma:r:pdl"),
+         (128, 128, "ws-overlap:3:tma:r:pdl"), (128, 192, "ws-overlap:3:tma:r:pdl::::e2"),
+         (128, 192, "ws-overlap:3:tma:r:pdl:::seam"), (192, 128, "ws-overlap:3:tma:r:pdl:::seam"),
+         (128, 128, "ws-overlap:3:tma:r:pdl:::seam")],
     128: [(128, 128, "plain"), (128, 128, "overlap"), (128, 64, "overlap"), (64, 128, "overlap"),
           (128, 128, "pingpong"), (128, 64, "pingpong"), (128, 128, "ws:2"), (128, 128, "ws:3"), (128, 64, "ws:3"),
           (128, 64, "ws:4"), (128, 192, "ws:2"), (128, 128, "ws-overlap:3"), (128, 128, "ws-overlap:4"),
@@ -118,7 +123,8 @@ WG_CANDIDATES = {
           (128, 128, "ws-overlap:2:tma:r:pd:s"), (128, 128, "ws-overlap:3:tma:r:pd"),
           (192, 64, "ws-overlap:3:tma:r:pd"),
           (128, 176, "ws-overlap:2:tma:r:pd:s"),
-          (128, 128, "ws-overlap:3:tma:r:p::::e2"), (128, 128, "ws-overlap:3:tma:r:::::e2")],
+          (128, 128, "ws-overlap:3:tma:r:p::::e2"), (128, 128, "ws-overlap:3:tma:r:::::e2"),
+          (128, 128, "ws-overlap:3:tma:r:pdl")],
     256: [(128, 64, "overlap"), (128, 64, "ws:2"), (128, 32, "ws:3")],
 }
 
@@ -126,19 +132,20 @@ WG_CANDIDATES = {
 def wg_config(bm, bn, d, kind, pipe) -> W.WGConfig:
     """A :class:`~nbflash.forward_wgmma.WGConfig` from a candidate (``"ws:3"``: the ws pipeline, 3 stages;
     ``"ws:3:tma"``: the same with TMA copies; ``"ws:3:tma:r"``: and registers moved by ``setmaxnreg``;
-    ``"ws:3:tma:r:p"``: and persistent blocks (``pd``: taking their chunks off a counter, ``dynamic``);
+    ``"ws:3:tma:r:p"``: and persistent blocks (``pd``: taking their chunks off a counter, ``dynamic``; a trailing
+    ``l``, as in ``pdl`` or ``l``: causal items one at a time, longest first, ``causal_pairs=False``);
     ``"ws-overlap:2:tma:r:p:s"``: K and V on their own mbarriers,
     ``split_kv``; a seventh field ``pin``: ws-overlap's softmax pinned between its waits, ``pin_softmax=True``;
     an eighth ``q2``: two Q_i buffers, ``q_buffers=2``, or ``seam``: and the seam step, ``seam=True``; a ninth
     ``e<k>``: k of every 8 exponentials by the polynomial, ``poly_exp2=k``)."""
     name, stages, copies, regs, persist, split, pin, q, poly = (pipe.split(":") + [""] * 8)[:9]
-    fields = [(regs, ("", "r")), (persist, ("", "p", "pd")), (split, ("", "s")), (pin, ("", "pin")),
+    fields = [(regs, ("", "r")), (persist, ("", "p", "pd", "l", "pl", "pdl")), (split, ("", "s")), (pin, ("", "pin")),
               (q, ("", "q2", "seam"))]  # pairs, not a dict keyed by the values: two fields may hold the same text
     if any(v not in ok for v, ok in fields) or (poly and not poly[1:].isdigit()) or len(pipe.split(":")) > 9:
         raise ValueError(f"candidate {pipe!r}: a field out of place (see wg_config)")
     return W.WGConfig(bm, bn, d, kind, name, **({"stages": int(stages)} if stages else {}),
                       **({"copies": copies} if copies else {}), setmaxnreg=regs == "r",
-                      persistent=persist in ("p", "pd"), dynamic=persist == "pd",
+                      persistent="p" in persist, dynamic="d" in persist, causal_pairs="l" not in persist,
                       split_kv=split == "s", pin_softmax=pin == "pin", q_buffers=2 if q in ("q2", "seam") else 1,
                       seam=q == "seam", poly_exp2=int(poly[1:]) if poly else 0)
 #: Names accepted by --configs besides tags: choose_config's pick for each head dim and dtype, its split pipeline,
@@ -164,7 +171,7 @@ def tag(cfg) -> str:
     ``setmaxnreg`` moves registers from the producer to the consumers; ``-eager`` (mma.sync): O rescaled at every
     key tile; ``-direct`` (mma.sync): O stored from the registers, not staged in shared memory; ``-lazy``
     (wgmma): O rescaled only when a row's max moves past the slack; ``-p`` (wgmma): persistent blocks (``-pd``: with
-    the dynamic scheduler); ``-kv``
+    the dynamic scheduler; ``-pdl``, ``-pl``, ``-l``: causal items one at a time, longest first); ``-kv``
     (wgmma): K and V on their own mbarriers and releases, ``split_kv``; ``-pin`` (wgmma): ws-overlap's softmax
     pinned between its waits, ``pin_softmax=True``; ``-q2`` (wgmma): two Q_i buffers; ``-seam`` (wgmma): and the
     seam step between items; ``-e<k>`` (wgmma): k of every 8 exponentials by the polynomial on the FMA units)."""
@@ -173,7 +180,8 @@ def tag(cfg) -> str:
                   "ws-overlap": f"-wso{cfg.stages}"}[cfg.pipeline]
         copies = "-tma" if cfg.copies == "tma" else ""
         lazy = "-lazy" if cfg.lazy_rescale else ""
-        persist = "-pd" if cfg.dynamic else "-p" if cfg.persistent else ""
+        persist = ("-pd" if cfg.dynamic else "-p" if cfg.persistent else "") + ("" if cfg.causal_pairs else
+                                                                                 ("l" if cfg.persistent else "-l"))
         split = "-kv" if cfg.split_kv else ""
         pin = "-pin" if cfg.pin_softmax else ""
         q = "-seam" if cfg.seam else "-q2" if cfg.q_buffers == 2 else ""

@@ -287,6 +287,9 @@ def fragment_steps(n_tiles: int, d_tiles: int, head_dim: int, input_kind: str, l
     LAZY = lazy_rescale
     SLACK = numba.float32(RESCALE_SLACK_LOG2)
     FULL = 0xFFFFFFFF
+    # The mask's compares in 32 bits on the GPU; the simulator keeps Python ints (the same values), where a NumPy
+    # int32 per score would cost microseconds in every simulated thread.
+    I32 = int if SIMULATOR else numba.int32
     pack = I.pack_f16x2 if input_kind == "float16" else I.pack_bf16x2  # two outputs, the first in the low half
 
     def init_rows(m_i, l_i, acc):
@@ -304,10 +307,12 @@ def fragment_steps(n_tiles: int, d_tiles: int, head_dim: int, input_kind: str, l
         through the whole key loop."""
         for r in range(2):
             key_end = d_row_key_end(first_row + g + 8 * r, seqlen_q, seqlen_k, causal)
-            first_hidden = key_end - k_start - 2 * t  # key 8n + c is hidden iff 8n + c ≥ this
+            # Key 8n + c is hidden iff 8n + c ≥ this; clamped to the tile and taken as 32 bits, so that each of the
+            # 2 · N_TILES tests below is one 32-bit compare (64-bit: two ISETP each).
+            first_hidden = I32(min(max(key_end - k_start - 2 * t, 0), 8 * N_TILES))
             for n in range(N_TILES):
                 for c in range(2):
-                    if 8 * n + c >= first_hidden:
+                    if I32(8 * n + c) >= first_hidden:  # int32 on both sides: a 32-bit compare
                         S[n, 2 * r + c] = NEG_INF
 
     def move_references(S, m_i, scale_log2, alpha):

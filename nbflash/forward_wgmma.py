@@ -222,7 +222,11 @@ show it.)
 them in turn: ``chunk = blockIdx.x, blockIdx.x + gridDim.x, …``.  With TMA
 a causal chunk is two items of complementary lengths (the longest query tile
 of a head with its shortest, and so on), so chunks cost about the same; a
-non-causal chunk is one item.  With ``persistent=True`` the grid has one
+non-causal chunk is one item, and so is a causal one with
+``causal_pairs=False``, longest first within a head (with the dynamic
+scheduler the launch then ends on the shortest items, the longest-processing-
+time-first rule; measured on the H100 6 % slower than pairs at 2k-16k keys
+without the seam step, level with pairs with it).  With ``persistent=True`` the grid has one
 block per multiprocessor (FlashAttention-3's persistent kernel); otherwise
 one block per chunk, each running one chunk.  The compiled kernel is the same.
 
@@ -302,7 +306,11 @@ by :func:`~nbflash.intrinsics.ex2_poly` instead: a degree-4 polynomial and
 an exponent-field add, 11 instructions on the FMA and integer units (128
 lanes a clock), relative error below 3e-6.  FlashAttention-4 splits its
 exponentials this way on Blackwell.  A masked score (-inf) still gives
-P = 0 exactly.
+P = 0 exactly.  Measured on the H100 it is 5-6 % slower for each eighth
+moved (D = 64, bf16, causal and not): Nsight Compute found the special-
+function pipe 46 % busy, so that unit is not what bounds the softmax;
+issue slots and the softmax's dependency chain are, and the polynomial
+adds to both.
 
 Requires sm_90a.  Constraints (:func:`can_implement`) as for the ``mma.sync``
 kernel: D a multiple of 8 up to 256; rows whole, 16-byte-aligned chunks.
@@ -407,8 +415,13 @@ class WGConfig:
     dynamic: bool = False
     # Of every 8 consecutive values of a thread's row of S, this many are exponentiated by a polynomial on the FMA
     # units instead of the special-function unit (MUFU.EX2, 16 a clock per multiprocessor: at D = 64 as many
-    # clocks as the tensor cores spend on the tile; forward_tc.fragment_steps, intrinsics.ex2_poly).
+    # clocks as the tensor cores spend on the tile; forward_tc.fragment_steps, intrinsics.ex2_poly).  Off: measured
+    # 5-6 % slower per eighth on the H100 (the softmax is bound by issue, not by that unit; the module docstring).
     poly_exp2: int = 0
+    # ws with TMA, causal: a chunk is two work items of complementary lengths (True: a static persistent block's
+    # chunks then cost alike), or one item, the longest of a head first (False: with the dynamic scheduler the last
+    # items handed out are the shortest, so blocks end within one short item of each other, not one pair).
+    causal_pairs: bool = True
 
     def __post_init__(self):
         if self.block_m not in (64, 128, 192):
@@ -462,6 +475,9 @@ class WGConfig:
         if not 0 <= self.poly_exp2 <= 8:
             raise ValueError(f"poly_exp2 counts values of every 8 exponentiated by the polynomial: 0 to 8, got "
                              f"{self.poly_exp2}")
+        if not self.causal_pairs and not (self.warp_specialized and self.copies == "tma"):
+            raise ValueError(f"causal_pairs=False takes causal items one at a time where a ws pipeline copying with "
+                             f"TMA pairs them; the {self.pipeline} pipeline with copies={self.copies!r} has no pairs")
         if self.dynamic and not self.persistent:
             raise ValueError("dynamic scheduling hands a persistent block its next chunk: it needs persistent=True")
         if not self.warp_specialized and self.stages != 2:
@@ -558,12 +574,13 @@ d_work_item = device_function(
 
 
 def work_grid(cfg: WGConfig, batch: int, heads: int, seqlen_q: int, causal: bool) -> tuple[int, int, int]:
-    """The launch grid.  ws: 1-D, one block per chunk of work items (two causal items with TMA, else one), at
-    most one per multiprocessor when ``cfg.persistent``.  The other pipelines: (query tiles, heads, batch)."""
+    """The launch grid.  ws: 1-D, one block per chunk of work items (two causal items with TMA and
+    ``causal_pairs``, else one), at most one per multiprocessor when ``cfg.persistent``.  The other pipelines:
+    (query tiles, heads, batch)."""
     n_qt = -(-seqlen_q // cfg.block_m)
     if not cfg.warp_specialized:
         return n_qt, heads, batch
-    chunk = 2 if cfg.copies == "tma" and causal else 1
+    chunk = 2 if cfg.copies == "tma" and causal and cfg.causal_pairs else 1
     items = n_qt * heads * batch
     if items >= 2**31:  # the kernel counts items in 32 bits (and a grid has at most 2^31 - 1 blocks along x)
         raise ValueError(f"wgmma forward: {items} query tiles (batch × heads × ceil(seqlen_q / {cfg.block_m})) "
@@ -702,6 +719,7 @@ def _forward_wgmma_kernel(cfg: WGConfig):
     # TMA: the mbarrier of Q buffer u is bars[QBAR + u], after the stages' ("Q_i has landed"; its phase n: the n-th
     # item to use the buffer)
     QBAR = (2 if SPLIT else 1) * STAGES
+    PAIRS = cfg.causal_pairs  # TMA, causal: a chunk is a pair of items (else one item, longest first)
     DYNAMIC = cfg.dynamic  # persistent blocks take their chunks off the counter sched[0]
     # dynamic: the block's chunk u + 1 (its first is blockIdx.x) is published in slot u % 2; bars[SFULL + r]: "slot
     # r holds the next chunk" (the issuing thread arrives), bars[SEMPTY + r]: "every consumer has read it"
@@ -742,7 +760,9 @@ def _forward_wgmma_kernel(cfg: WGConfig):
         """ws: work item ``item``'s first query row, head, batch and number of visible key tiles."""
         qt, h, b = d_work_item(item, n_qt, heads, causal, paired)
         _, k_end = d_key_range(qt * BLOCK_M, BLOCK_M, seqlen_q, seqlen_k, causal)
-        return qt * BLOCK_M, h, b, (k_end + BLOCK_N - 1) // BLOCK_N
+        # A 32-bit division (k_end < 2^31): ptxas recomputes the count in the steps that test for an item's last
+        # tile, and a 64-bit division by BLOCK_N there is a dozen uniform-datapath instructions.
+        return qt * BLOCK_M, h, b, numba.int64(I.divmod_u32(k_end + BLOCK_N - 1, BLOCK_N)[0])
 
     @device_function
     def fetch_chunk(sched):
@@ -777,22 +797,36 @@ def _forward_wgmma_kernel(cfg: WGConfig):
         return ch
 
     @device_function
+    def stage_of(n):
+        """The stage of the block's tile n, n % STAGES, in 32 bits.  Tile counters are 64-bit integers in Numba,
+        and a signed 64-bit division by a constant is some twenty uniform-datapath instructions; the overlapped
+        step needs three (its tile's stage and use, the previous tile's stage) in every warp.  Unsigned 32-bit it
+        is a multiply-high and a shift (:func:`launch_forward_wgmma` keeps a launch's key tiles below 2^32)."""
+        return I.divmod_u32(n, STAGES)[1]
+
+    @device_function
+    def use_parity(n):
+        """The parity of the block's tile n's use of its stage, (n // STAGES) % 2: the phase of the stage's
+        mbarrier that tile n completes (0, 1, 0, ...); 32-bit, as :func:`stage_of`."""
+        return I.divmod_u32(n, STAGES)[0] & 1
+
+    @device_function
     def wait_full(bars, j):
         """ws, a consumer: wait until stage j % STAGES holds the block's tile j (counted over all its work items:
         K_j, and V_j unless split; with cp.async, Q_i too with tile 0)."""
         if TMA:
             # The (j // STAGES)-th use of the stage: phases 0, 1, 0, ... of its mbarrier.
-            while not T.mbarrier_try_wait_parity(bars, j % STAGES, (j // STAGES) % 2):
+            while not T.mbarrier_try_wait_parity(bars, stage_of(j), use_parity(j)):
                 pass
         else:
-            HW.named_barrier_sync(FULL + j % STAGES, HANDSHAKE)
+            HW.named_barrier_sync(FULL + stage_of(j), HANDSHAKE)
 
     @device_function
     def wait_v(bars, j):
         """ws with split_kv, a consumer: wait until V_j of the block's tile j has landed (its own mbarrier).
         Without split_kv nothing: V_j landed with K_j."""
         if SPLIT:
-            while not T.mbarrier_try_wait_parity(bars, VBAR + j % STAGES, (j // STAGES) % 2):
+            while not T.mbarrier_try_wait_parity(bars, VBAR + stage_of(j), use_parity(j)):
                 pass
     load_q = swizzled_tile_loader(BLOCK_M, LOAD_THREADS, D)
     load_kv = swizzled_tile_loader(BLOCK_N, LOAD_THREADS, D)
@@ -889,8 +923,8 @@ def _forward_wgmma_kernel(cfg: WGConfig):
             packed.  From the first commit to the last wait the code is one basic block: ptxas waits for every
             wgmma in flight at the first block boundary, so a branch there (a mask test, a conditional product)
             would put the whole softmax behind P V."""
-            stage = (c + j) % STAGES
-            prev = (c + j - 1) % STAGES
+            stage = stage_of(c + j)
+            prev = stage_of(c + j - 1)
             wait_full(bars, c + j)  # K_j (unless split, V_j; with cp.async and tile 0, Q_i) has landed
             wait_v(bars, c + j - 1)  # split: V_{j-1} has landed (checked before the turn: a loop ends a block)
             # In my turn: both products, then the other warpgroup's pair follows.
@@ -947,8 +981,8 @@ def _forward_wgmma_kernel(cfg: WGConfig):
             O is zero: nothing to rescale).  Then P_0 packed; ``acc`` holds the previous item's finished O, for
             the caller to write (:func:`write_item`) and zero.  From the first commit to the wait for P V the code
             is one basic block, as in ``overlapped_tile``."""
-            stage = c % STAGES
-            prev = (c - 1) % STAGES
+            stage = stage_of(c)
+            prev = stage_of(c - 1)
             # The same issue as overlapped_tile's (written out again, not shared: a shared helper changed the
             # default kernels' cubins, offline, and those are the ones measured and sanitized).
             wait_full(bars, c)  # K_0 (unless split, V_0) of the new item has landed
@@ -987,7 +1021,7 @@ def _forward_wgmma_kernel(cfg: WGConfig):
         """ws-overlap: an item's last O += P V (its last tile is the block's tile c - 1), in one more turn of its
         own; P is packed again from S.  Then that tile's V (without split_kv, the whole tile) is free."""
         wait_v(bars, c - 1)  # split: V has landed
-        last = (c - 1) % STAGES
+        last = stage_of(c - 1)
         pv_in_turn(acc, P, S, v_desc + u64((last * KV_STRIDE * 2) >> 4), mine, True, other)
         HW.named_barrier_arrive(VEMPTY + last, HANDSHAKE)
 
@@ -1077,7 +1111,7 @@ def _forward_wgmma_kernel(cfg: WGConfig):
         # first.  q_start, h, b, n_tiles are the block's (first) item's; the ws loops below take each item's own.
         n_qt = (seqlen_q + BLOCK_M - 1) // BLOCK_M
         n_items = n_qt * heads * q.shape[0]
-        chunk = 2 if TMA and causal else 1
+        chunk = 2 if TMA and causal and PAIRS else 1
         n_chunks = n_items if chunk == 1 else (n_items + 1) // 2  # no division by a run-time value (see work_item)
         if WS:
             q_start, h, b, n_tiles = item_tiles(numba.int64(cuda.blockIdx.x) * chunk, n_qt, heads, seqlen_q, seqlen_k,
@@ -1144,11 +1178,11 @@ def _forward_wgmma_kernel(cfg: WGConfig):
                         if c >= STAGES:
                             # Both warpgroups have waited for their last wgmma reading tile c - STAGES (split: for
                             # their S of it, the last to read its K).
-                            HW.named_barrier_sync(EMPTY + c % STAGES, HANDSHAKE)
+                            HW.named_barrier_sync(EMPTY + stage_of(c), HANDSHAKE)
                         if issuer:  # K_j, and V_j with it unless split (the arrival announces both then)
-                            issue_tile(smem, maps, bars, ib, ih, j, c % STAGES, 1, TILE_BYTES * (1 if SPLIT else 2))
+                            issue_tile(smem, maps, bars, ib, ih, j, stage_of(c), 1, TILE_BYTES * (1 if SPLIT else 2))
                             if not SPLIT:
-                                issue_tile(smem, maps, bars, ib, ih, j, c % STAGES, 2, 0)
+                                issue_tile(smem, maps, bars, ib, ih, j, stage_of(c), 2, 0)
                         if j == 0 and nq > 0 and Q_BUFS == 1:
                             # Every consumer has waited for the previous item's last S: its Q_i is not read any more.
                             HW.named_barrier_sync(QEMPTY, HANDSHAKE)
@@ -1157,9 +1191,9 @@ def _forward_wgmma_kernel(cfg: WGConfig):
                         if SPLIT:
                             if c >= STAGES:
                                 # Both warpgroups have waited for their P V of tile c - STAGES, the last to read its V.
-                                HW.named_barrier_sync(VEMPTY + c % STAGES, HANDSHAKE)
+                                HW.named_barrier_sync(VEMPTY + stage_of(c), HANDSHAKE)
                             if issuer:
-                                issue_tile(smem, maps, bars, ib, ih, j, c % STAGES, 2, TILE_BYTES)
+                                issue_tile(smem, maps, bars, ib, ih, j, stage_of(c), 2, TILE_BYTES)
                         c += 1
                     if i_tiles > 0:
                         nq += 1
@@ -1181,9 +1215,9 @@ def _forward_wgmma_kernel(cfg: WGConfig):
             # The consumers release every tile and every Q_i; the releases nobody refilled are taken here, so that
             # each named barrier's counts match before the block exits.
             for cc in range(max(c - STAGES, 0), c):
-                HW.named_barrier_sync(EMPTY + cc % STAGES, HANDSHAKE)
+                HW.named_barrier_sync(EMPTY + stage_of(cc), HANDSHAKE)
                 if SPLIT:
-                    HW.named_barrier_sync(VEMPTY + cc % STAGES, HANDSHAKE)
+                    HW.named_barrier_sync(VEMPTY + stage_of(cc), HANDSHAKE)
             for u in range(max(nq - Q_BUFS, 0), nq):
                 HW.named_barrier_sync(QEMPTY + u % Q_BUFS, HANDSHAKE)
             # Done.  The thread ends here rather than running past the consumers' code: ptxas keeps a decreased
@@ -1213,17 +1247,17 @@ def _forward_wgmma_kernel(cfg: WGConfig):
                     I.cp_async_wait(2)
                 HW.fence_proxy_async()  # my cp.async writes → visible to the tensor cores (the async proxy)
                 # Release stage j % STAGES to the consumers: bar.arrive orders my writes before their bar.sync.
-                HW.named_barrier_arrive(FULL + j % STAGES, HANDSHAKE)
+                HW.named_barrier_arrive(FULL + stage_of(j), HANDSHAKE)
                 tile = j + STAGES - 1  # the tile that goes into the stage tile j - 1 occupied
                 if tile < n_tiles:
                     if j > 0:
                         # Both warpgroups have waited for their last wgmma reading tile j - 1 (K_{j-1}, V_{j-1}).
-                        HW.named_barrier_sync(EMPTY + (j - 1) % STAGES, HANDSHAKE)
-                    load_kv(smem, K_OFF + (tile % STAGES) * KV_STRIDE, k, b, h, tile * BLOCK_N, seqlen_k, ptid)
-                    load_kv(smem, V_OFF + (tile % STAGES) * KV_STRIDE, v, b, h, tile * BLOCK_N, seqlen_k, ptid)
+                        HW.named_barrier_sync(EMPTY + stage_of(j - 1), HANDSHAKE)
+                    load_kv(smem, K_OFF + stage_of(tile) * KV_STRIDE, k, b, h, tile * BLOCK_N, seqlen_k, ptid)
+                    load_kv(smem, V_OFF + stage_of(tile) * KV_STRIDE, v, b, h, tile * BLOCK_N, seqlen_k, ptid)
                 I.cp_async_commit()
             for cc in range(max(n_tiles - STAGES, 0), n_tiles):  # the releases nobody refilled, as above
-                HW.named_barrier_sync(EMPTY + cc % STAGES, HANDSHAKE)
+                HW.named_barrier_sync(EMPTY + stage_of(cc), HANDSHAKE)
             I.cp_async_wait_all()  # only empty groups are left; the thread ends here, as the TMA producer's does
             return
 
@@ -1282,7 +1316,7 @@ def _forward_wgmma_kernel(cfg: WGConfig):
 
                     for j in range(n_tiles if not WSO else 0):
                         k_start = j * BLOCK_N
-                        stage = (c + j) % STAGES
+                        stage = stage_of(c + j)
                         # The producer has released stage (c + j) % STAGES (K_j, V_j; with cp.async Q_i with tile 0).
                         wait_full(bars, c + j)
 
@@ -1306,10 +1340,10 @@ def _forward_wgmma_kernel(cfg: WGConfig):
                     if WSO and n_tiles > 0:
                         # The item's key tile 0: S_0 alone in my turn (no P V yet), waited for; then P_0.
                         wait_full(bars, c)  # K_0 (with cp.async, Q_i too) has landed
-                        s_in_turn(S, q_desc_i, k_desc + u64(((c % STAGES) * KV_STRIDE * 2) >> 4), True, mine, True,
+                        s_in_turn(S, q_desc_i, k_desc + u64((stage_of(c) * KV_STRIDE * 2) >> 4), True, mine, True,
                                   other)
                         if SPLIT:
-                            HW.named_barrier_arrive(EMPTY + c % STAGES, HANDSHAKE)  # K_0 is read: it may be refilled
+                            HW.named_barrier_arrive(EMPTY + stage_of(c), HANDSHAKE)  # K_0 is read: it may be refilled
                         if TMA and n_tiles == 1:
                             HW.named_barrier_arrive(q_empty, HANDSHAKE)  # my last S of the item: Q_i may be refilled
                         if masked_from == 0:
@@ -1674,6 +1708,13 @@ def can_implement(cfg: WGConfig, *arrays) -> tuple[bool, str]:
     limit = max_shared_per_block()
     if need > limit:
         return False, f"needs {need} bytes of shared memory per block, the device allows {limit}"
+    if cfg.warp_specialized and len(arrays) >= 2:
+        # The ws kernels count a block's key tiles (over its items) in 32 bits (stage_of, use_parity).
+        (batch, heads, seqlen_q, _), seqlen_k = arrays[0].shape, arrays[1].shape[2]
+        tiles = batch * heads * -(-seqlen_q // cfg.block_m) * -(-seqlen_k // cfg.block_n)
+        if tiles >= 2**32:
+            return False, (f"{tiles} (query tile, key tile) pairs exceed the 2^32 - 1 that the {cfg.pipeline} "
+                           f"pipeline counts")
     # o too: the epilogue writes each pair of outputs with one 32-bit store (aligned rows, as for the copies)
     why = tile_rows_problem(cfg.head_dim, "qkvo", arrays, copied=4)
     if not why and cfg.copies == "tma":  # a tensor map's strides (rows, heads, batches) are whole 16-byte units

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 
 import numpy as np
 import pytest
@@ -181,6 +182,8 @@ def test_forward_wgmma_two_q_buffers(xp, rng, block_m, pipeline, stages, seam, k
     (192, "ws-overlap", 3, "float16", False, 400, 45, 1, 2, {"q_buffers": 2, "seam": True}),
     # the ws pipeline, split K/V; items that see no key (query tiles past the keys, causal)
     (128, "ws", 2, "float16", True, 300, 150, 1, 2, {"split_kv": True}),
+    # causal items one at a time, longest first (no pairs), ragged, query tile 0 sees no key; the seam between them
+    (128, "ws-overlap", 3, "float16", True, 260, 130, 1, 2, {"causal_pairs": False, "q_buffers": 2, "seam": True}),
 ])
 def test_forward_wgmma_dynamic_scheduler(xp, rng, monkeypatch, block_m, pipeline, stages, kind, causal, n_q, n_k,
                                          batch, heads, extra):
@@ -190,7 +193,7 @@ def test_forward_wgmma_dynamic_scheduler(xp, rng, monkeypatch, block_m, pipeline
     took one twice or left the counter non-zero fails the check of either launch (the outputs start as NaN)."""
     cfg = W.WGConfig(block_m, 16, 64, kind, pipeline, stages=stages, copies="tma", setmaxnreg=True, persistent=True,
                      dynamic=True, **extra)
-    chunks = -(-(-(-n_q // block_m) * batch * heads) // (2 if causal else 1))
+    chunks = -(-(-(-n_q // block_m) * batch * heads) // (2 if causal and cfg.causal_pairs else 1))
     if SIMULATOR:
         assert W.work_grid(cfg, batch, heads, n_q, causal)[0] == 2 < chunks  # chunks handed out at run time
     counter = xp.zeros(2, np.int32)
@@ -225,6 +228,27 @@ def test_forward_wgmma_dynamic_scheduler_streams(xp, rng, causal):
 def test_dynamic_scheduler_needs_persistent_blocks():
     with pytest.raises(ValueError, match="persistent"):
         W.WGConfig(128, 128, 64, "bfloat16", "ws-overlap", stages=3, copies="tma", dynamic=True)
+
+
+def test_causal_items_one_at_a_time():
+    """``causal_pairs=False``: a causal chunk is one work item (the grid counts items, not pairs; the items run
+    longest first); refused where causal items are not paired (no TMA producer)."""
+    cfg = W.WGConfig(128, 128, 64, "bfloat16", "ws-overlap", stages=3, copies="tma", causal_pairs=False)
+    assert W.work_grid(cfg, 2, 3, 1000, True) == (2 * 3 * 8, 1, 1)
+    assert W.work_grid(dataclasses.replace(cfg, causal_pairs=True), 2, 3, 1000, True) == (2 * 3 * 8 // 2, 1, 1)
+    assert W.work_grid(cfg, 2, 3, 1000, False) == (2 * 3 * 8, 1, 1)
+    with pytest.raises(ValueError, match="causal_pairs"):
+        W.WGConfig(128, 128, 64, "bfloat16", "overlap", causal_pairs=False)
+
+
+@pytest.mark.skipif(not W.supported_device()[0], reason="a device without wgmma is refused before the count")
+def test_ws_launch_counts_tiles_in_32_bits():
+    """The ws kernels count a block's key tiles in 32 bits (``stage_of``, ``use_parity``): a launch with 2^32 or
+    more (query tile, key tile) pairs is refused by ``can_implement``, before any launch."""
+    cfg = W.WGConfig(128, 128, 64, "bfloat16", "ws-overlap", stages=3, copies="tma")
+    big = types.SimpleNamespace(shape=(256, 64, 2**17, 64))  # 2^14 · 2^10 · 2^10 = 2^34 pairs
+    ok, why = W.can_implement(cfg, big, big, big, big)
+    assert not ok and "2^32" in why and str(2**34) in why
 
 
 @hopper
