@@ -495,6 +495,12 @@ class WGConfig:
         return self.stages if self.warp_specialized else 1 if self.pipeline == "plain" else 2
 
     @property
+    def paired_causal_items(self) -> bool:
+        """A causal chunk of work is two items of complementary lengths (TMA copies and ``causal_pairs``), else one
+        item; the one rule for :func:`work_grid` and the kernel."""
+        return self.copies == "tma" and self.causal_pairs
+
+    @property
     def warp_specialized(self) -> bool:
         """A producer warpgroup copies, the others compute ("ws", "ws-overlap")."""
         return self.pipeline.startswith("ws")
@@ -580,7 +586,7 @@ def work_grid(cfg: WGConfig, batch: int, heads: int, seqlen_q: int, causal: bool
     n_qt = -(-seqlen_q // cfg.block_m)
     if not cfg.warp_specialized:
         return n_qt, heads, batch
-    chunk = 2 if cfg.copies == "tma" and causal and cfg.causal_pairs else 1
+    chunk = 2 if causal and cfg.paired_causal_items else 1
     items = n_qt * heads * batch
     if items >= 2**31:  # the kernel counts items in 32 bits (and a grid has at most 2^31 - 1 blocks along x)
         raise ValueError(f"wgmma forward: {items} query tiles (batch × heads × ceil(seqlen_q / {cfg.block_m})) "
@@ -719,7 +725,7 @@ def _forward_wgmma_kernel(cfg: WGConfig):
     # TMA: the mbarrier of Q buffer u is bars[QBAR + u], after the stages' ("Q_i has landed"; its phase n: the n-th
     # item to use the buffer)
     QBAR = (2 if SPLIT else 1) * STAGES
-    PAIRS = cfg.causal_pairs  # TMA, causal: a chunk is a pair of items (else one item, longest first)
+    PAIRS = cfg.paired_causal_items  # causal: a chunk is a pair of items (else one item, longest first)
     DYNAMIC = cfg.dynamic  # persistent blocks take their chunks off the counter sched[0]
     # dynamic: the block's chunk u + 1 (its first is blockIdx.x) is published in slot u % 2; bars[SFULL + r]: "slot
     # r holds the next chunk" (the issuing thread arrives), bars[SEMPTY + r]: "every consumer has read it"
@@ -801,7 +807,7 @@ def _forward_wgmma_kernel(cfg: WGConfig):
         """The stage of the block's tile n, n % STAGES, in 32 bits.  Tile counters are 64-bit integers in Numba,
         and a signed 64-bit division by a constant is some twenty uniform-datapath instructions; the overlapped
         step needs three (its tile's stage and use, the previous tile's stage) in every warp.  Unsigned 32-bit it
-        is a multiply-high and a shift (:func:`launch_forward_wgmma` keeps a launch's key tiles below 2^32)."""
+        is a multiply-high and a shift (:func:`can_implement` keeps a launch's key tiles below 2^32)."""
         return I.divmod_u32(n, STAGES)[1]
 
     @device_function
@@ -1111,7 +1117,7 @@ def _forward_wgmma_kernel(cfg: WGConfig):
         # first.  q_start, h, b, n_tiles are the block's (first) item's; the ws loops below take each item's own.
         n_qt = (seqlen_q + BLOCK_M - 1) // BLOCK_M
         n_items = n_qt * heads * q.shape[0]
-        chunk = 2 if TMA and causal and PAIRS else 1
+        chunk = 2 if causal and PAIRS else 1
         n_chunks = n_items if chunk == 1 else (n_items + 1) // 2  # no division by a run-time value (see work_item)
         if WS:
             q_start, h, b, n_tiles = item_tiles(numba.int64(cuda.blockIdx.x) * chunk, n_qt, heads, seqlen_q, seqlen_k,
