@@ -8,7 +8,9 @@
     compute-sanitizer --tool racecheck python benchmarks/sanitize_tc.py --wgmma-backward  # the Hopper backward only
 
 Under the tool every kernel compiles far slower: run the same command once without it first, with the same
-``NUMBA_CACHE_DIR``, so that the tool's run loads the kernels from the disk cache.  That plain pass compiles
+``NUMBA_CACHE_DIR``, so that the tool's run loads the kernels from the disk cache (``--wgmma-forward
+--part=i/n``, for i from 0 to n − 1 in n processes at once, compiles and runs a share of its kernels; a machine
+that has not kept its files compiles them all under the tool, over 200 s).  That plain pass compiles
 one kernel after another (``--wgmma-backward`` took over 270 s on an H100 machine beside other work, 2026-12-06);
 ``warm_cache.py --layouts bshd`` compiles the same array types (strided bshd views) in parallel processes first,
 e.g. ``--dtypes fp16 --dims 40,64,96,128 --backends wgmma --routes default,deterministic --layouts bshd`` for
@@ -89,6 +91,10 @@ if "--wgmma-backward" in sys.argv[1:]:
     print("sanitize_tc: wgmma backward kernels ran")
     sys.exit(0)
 if "--wgmma-forward" in sys.argv[1:]:
+    # --part=i/n: every n-th configuration from the i-th (at each head dim), to compile the kernels into the disk
+    # cache in n processes at once before the tool's run
+    part, parts = next((tuple(int(x) for x in a.split("=")[1].split("/")) for a in sys.argv if a.startswith("--part=")),
+                       (0, 1))
     for d in (64, 128):
         # At D = 64 also the long-sequence picks: 128 × 192 (causal) and three consumers, 192 × 128 (non-causal;
         # always one block per item, whatever ``persistent`` asks); and the causal pick with two Q_i buffers and
@@ -100,7 +106,7 @@ if "--wgmma-forward" in sys.argv[1:]:
                 for persistent in (True, False)]
         if d == 64:
             cfgs += [dataclasses.replace(cfgs[2 + i], q_buffers=2, seam=True) for i in range(2)]
-        for cfg in cfgs:
+        for cfg in cfgs[part::parts]:
             for (b, h, n_q, n_k), causal in [((2, 16, 1100, 1100), False), ((2, 16, 1100, 1100), True),
                                              ((1, 4, 300, 131), True)]:
                 q = cp.random.standard_normal((b, h, n_q, d)).astype(cp.float16)

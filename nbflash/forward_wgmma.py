@@ -203,8 +203,10 @@ fits, 192 does not::
     warpgroup 0:  issue          | softmax of S_j                  | issue …
 
 On an H100 it is the pick for long non-causal calls at D <= 64
-(:func:`choose_config`), with one block per work item: persistent blocks
-made the same kernel 13–19 % slower at 2k–4k keys.  Per-item timestamps
+(:func:`choose_config`), in persistent blocks fed by the dynamic scheduler
+below (at every length since the fortieth session).  Persistent blocks with
+a static share of the chunks made the same kernel 13–19 % slower at 2k–4k
+keys than one block per work item.  Per-item timestamps
 (``benchmarks/trace_forward.py``, H200, 2026-12-06) found why: an item of
 this kernel takes one of two times, about 25 % apart (at 2k keys 25 or
 31 µs; about 9 % of the items are slow at 2k, 5 % at 4k), and a persistent
@@ -270,7 +272,8 @@ refilled before it exits, so that every named barrier's counts match.
 Warpgroup 0 takes back the turn that the last warpgroup hands on at the very end.
 The cp.async producer keeps one item per block.
 
-**Two Q_i buffers and the seam step** (options, off by default).  With
+**Two Q_i buffers and the seam step** (options; the causal pick at D <= 64
+from 2k to 8k keys, :func:`config_for`).  With
 ``q_buffers=2`` the block's n-th item takes Q buffer n % 2, with its own
 mbarrier (``QBAR + u``) and release (``QEMPTY + u``), and the producer copies
 it as soon as it reaches the item, before the item's first K/V tile: about
@@ -292,7 +295,11 @@ alone were within 1.3 % of one but at one point (−3 %), at D = 64 and at
 D = 128 with 2 split stages, the only depth that fits beside them.  The seam
 gained the two-consumer kernels 1.5–3 % on causal calls at D = 64 with
 2k–4k keys, nothing on non-causal ones there (±0.5 %) or at D = 128
-(−1 … +1 %), and lost them 1–4 % at 16k keys.  So both stay off.
+(−1 … +1 %), and lost them 1–4 % at 16k keys.  So both stayed off until
+the 32-bit tile arithmetic (fortieth session, H100): then the seam gained
+the causal 128 × 192 pick 2 % at 4k keys (three runs, bf16 and fp16), −1 … +3 %
+at 2k, nothing at 8k, and lost 1–3 % at 16k, so it runs below
+:data:`SEAM_MAX_KEYS` keys.
 
 **Exponentials on two units** (``poly_exp2``, an option, off by default).
 The softmax takes one ``MUFU.EX2`` per score, and the special-function unit
@@ -1514,14 +1521,31 @@ def _forward_wgmma_kernel(cfg: WGConfig):
 @functools.cache
 def choose_config(
     head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR, copies: str = "tma", long_keys: bool = False,
-    persistent: bool = True, causal: bool = True,
+    persistent: bool = True, causal: bool = True, seam: bool = False,
 ) -> WGConfig:
     """The configuration for a head dim (any multiple of 8 up to 256), chosen by the H200 sweeps.
 
     ``long_keys``: at least :data:`WSO_MIN_KEYS_D64` keys (it matters at D <= 64 only).  ``persistent``: the
     pipelines that copy with TMA get persistent blocks (:func:`config_for` turns them off for long non-causal
-    calls, :data:`PERSISTENT_MAX_KEYS`).  ``causal=False`` (it matters at D <= 64 with ``long_keys`` only):
-    the pick for non-causal calls.
+    calls, :data:`PERSISTENT_MAX_KEYS`, except on the three-consumer kernel).  ``causal=False`` (it matters at
+    D <= 64 with ``long_keys`` only): the pick for non-causal calls.  ``seam`` (it matters for the causal pick at
+    D <= 64 with ``long_keys`` only): two Q_i buffers and the seam step (:func:`config_for`: below
+    :data:`SEAM_MAX_KEYS` keys).
+
+    Since 2026-12-07 (fortieth session, H100; the thirty-ninth session's
+    32-bit stage, phase and tile-count arithmetic and int32 mask compares,
+    timed against the tree before them in one run, +2 … +5 % on every pick:
+    ``tc-forward-NVIDIA-H100-80GB-HBM3-2026-12-07-s40-new.json`` against
+    ``…-s40-old.json``), two rules
+    moved.  The three-consumer kernel keeps persistent blocks with the
+    dynamic scheduler at every length: at 16k keys 523 / 531 / 535 TFLOP/s
+    against 521 / 501 / 487 with one block per item (bf16, bf16, fp16; two
+    runs), even at 32k (511 / 509 against 514 / 507).  And causal calls at
+    D <= 64 from :data:`WSO_MIN_KEYS_D64` to :data:`SEAM_MAX_KEYS` keys take
+    the seam step: bf16 at 4k 432 / 430 / 435 against 424 / 422 / 425 (three
+    runs), fp16 432 against 424, cuDNN 429–432; at 2k 369 / 368 / 367 against
+    360 / 359 / 371 (fp16 368 against 360); at 8k even, at 16k 1–3 % behind
+    (``…-s40-seam-d64.json``).
 
     Since 2026-12-06 (thirty-seventh session, H100; checked against float64
     first, worst 0.75 bf16 / 0.63 fp16 of the naive error; compute-sanitizer
@@ -1649,14 +1673,15 @@ def choose_config(
     if simulator:
         return WGConfig(64, 16, head_dim, input_kind)
     d_pad = -(-head_dim // PANEL) * PANEL
-    if d_pad <= 64 and long_keys and not causal and copies == "tma":
+    if three_consumers(head_dim, long_keys, causal) and copies == "tma":
         # Three consumer warpgroups (192 query rows); persistent blocks only with the dynamic scheduler: see above.
         return WGConfig(192, 128, head_dim, input_kind, "ws-overlap", stages=3, copies="tma", setmaxnreg=True,
                         persistent=persistent, dynamic=persistent)
     if d_pad <= 128 and copies == "tma":
-        block_n = 192 if d_pad <= 64 and long_keys else 128
-        return WGConfig(128, block_n, head_dim, input_kind, "ws-overlap", stages=3, copies="tma", setmaxnreg=True,
-                        persistent=persistent)
+        wide = d_pad <= 64 and long_keys  # 128 × 192 tiles
+        return WGConfig(128, 192 if wide else 128, head_dim, input_kind, "ws-overlap", stages=3, copies="tma",
+                        setmaxnreg=True, persistent=persistent,
+                        **({"q_buffers": 2, "seam": True} if wide and causal and seam else {}))
     if d_pad <= 64:
         return WGConfig(128, 64, head_dim, input_kind, "plain")
     if d_pad <= 128:
@@ -1664,10 +1689,21 @@ def choose_config(
     return WGConfig(128, 64, head_dim, input_kind, "overlap")
 
 
+def three_consumers(head_dim: int, long_keys: bool, causal: bool) -> bool:
+    """Does :func:`choose_config` (copying with TMA) pick the three-consumer kernel, 192 × 128 tiles?  Non-causal
+    calls at a padded D <= 64 from :data:`WSO_MIN_KEYS_D64` keys (``long_keys``)."""
+    return -(-head_dim // PANEL) * PANEL <= 64 and long_keys and not causal
+
+
 #: At D <= 64 the 128 × 192 ws-overlap kernel pays from this many keys on (persistent, both kinds of kernel:
 #: ``tc-forward-…-12-03-persistent.json``, +6 % at 2k non-causal and even causal, +6–15 % from 4k on; slower at 1k).
 WSO_MIN_KEYS_D64 = 2048
-#: Non-causal calls with at least this many keys run one block per work chunk rather than persistent blocks: at 16k
+#: Causal calls at D <= 64 from WSO_MIN_KEYS_D64 keys up to (not including) this many take the seam step between
+#: work items (``WGConfig.seam``, two Q_i buffers): 2 % ahead at 4k keys, −1 … +3 % at 2k, even at 8k, behind at 16k
+#: (:func:`choose_config`).
+SEAM_MAX_KEYS = 8192
+#: Non-causal calls with at least this many keys run one block per work chunk rather than persistent blocks (the
+#: three-consumer kernel excepted: its dynamic scheduler evens out the blocks, :func:`choose_config`): at 16k
 #: keys the persistent grid was −3 … +1 % (D = 128, bf16 / fp16), at 8k still 1–3 % ahead (``…-persistent-all.json``).
 #: A likely cause (measured for the three-consumer kernel, whose blocks keep a slow mode: the module docstring): a
 #: static share of equal items cannot even out blocks that run slower, as the hardware's block scheduler does.
@@ -1678,18 +1714,22 @@ def config_for(head_dim: int, input_kind: str, q, k, v, causal: bool = False) ->
     """:func:`choose_config`'s pick for these arrays (canonical ``(B, H, N, D)`` views or descriptors).
 
     ``long_keys`` is set from k's length (at D <= 64, from :data:`WSO_MIN_KEYS_D64`
-    keys on, the 128 × 192 ws-overlap kernel runs causal calls and the
-    192 × 128 one with three consumers non-causal ones, its persistent blocks
-    with the dynamic scheduler); persistent blocks unless the call is
-    non-causal with :data:`PERSISTENT_MAX_KEYS` keys or more.
+    keys on, the 128 × 192 ws-overlap kernel runs causal calls, below
+    :data:`SEAM_MAX_KEYS` keys with the seam step, and the 192 × 128 one with
+    three consumers non-causal ones, its persistent blocks with the dynamic
+    scheduler at every length); persistent blocks unless the call is
+    non-causal with :data:`PERSISTENT_MAX_KEYS` keys or more on another kernel.
 
     Where it copies with TMA, the best configuration that copies with
     ``cp.async`` instead when the TMA one cannot run on the arrays
     (:func:`can_implement`: e.g. a stride that is not a positive multiple of
     16 bytes, as for k and v broadcast over heads).
     """
-    cfg = choose_config(head_dim, input_kind, long_keys=k.shape[2] >= WSO_MIN_KEYS_D64,
-                        persistent=bool(causal) or k.shape[2] < PERSISTENT_MAX_KEYS, causal=bool(causal))
+    n_k, causal = k.shape[2], bool(causal)
+    long_keys = n_k >= WSO_MIN_KEYS_D64
+    persistent = causal or n_k < PERSISTENT_MAX_KEYS or three_consumers(head_dim, long_keys, causal)
+    cfg = choose_config(head_dim, input_kind, long_keys=long_keys, persistent=persistent, causal=causal,
+                        seam=n_k < SEAM_MAX_KEYS)
     if cfg.copies == "tma" and not can_implement(cfg, q, k, v)[0]:
         cfg = choose_config(head_dim, input_kind, copies="cp.async")
     return cfg
@@ -1830,8 +1870,9 @@ def compile_targets():
     """``(name, cfg, kernel, signature, fastmath)`` for the GPU configurations (the PTX check, sm_90a): bfloat16 at
     every head dim, float16 at D = 128 (the two differ only in the wgmma's input type and the packing of P; the
     check takes about half a minute a kernel on CI's two cores, and the simulator runs both kinds everywhere); and
-    the D = 128 pick with ``pin_softmax``, whose schedule the check also reads, and the D = 64 causal pick with
-    ``poly_exp2``, whose exponentials it counts."""
+    the D = 128 pick with ``pin_softmax``, whose schedule the check also reads, the D = 64 causal pick with
+    ``poly_exp2``, whose exponentials it counts, and with the seam step (its pick below :data:`SEAM_MAX_KEYS`
+    keys)."""
     dims = (40, 64, 96, 128, 176, 256)
     cfgs = list(dict.fromkeys(choose_config(d, kind, simulator=False, copies=copies, long_keys=long_keys,
                                             causal=causal)
@@ -1840,7 +1881,6 @@ def compile_targets():
                               for copies in COPIES))
     cfgs.append(dataclasses.replace(choose_config(128, "bfloat16", simulator=False), pin_softmax=True))
     cfgs.append(dataclasses.replace(choose_config(64, "bfloat16", simulator=False, long_keys=True), poly_exp2=3))
-    # the three-consumer pick with one block per item too (long non-causal calls from PERSISTENT_MAX_KEYS keys)
-    cfgs += [dataclasses.replace(c, persistent=False, dynamic=False) for c in cfgs if c.dynamic]
+    cfgs.append(choose_config(64, "bfloat16", simulator=False, long_keys=True, seam=True))
     return [("flash_forward_wgmma", cfg, forward_wgmma_kernel(cfg), kernel_signature(cfg), True) for cfg in cfgs]
 

@@ -284,7 +284,7 @@ def test_forward_wgmma_persistent_real_tiles(xp, rng, n_q, n_k, d, causal, batch
 ])
 def test_forward_wgmma_three_consumers_real_tiles(xp, rng, n_q, n_k, batch, heads, kind, layout):
     """The GPU's pick for long non-causal calls at D = 64 (three consumer warpgroups, 192 × 128 tiles, persistent
-    blocks with the dynamic scheduler below PERSISTENT_MAX_KEYS keys, :func:`config_for`) at its own tiles, against
+    blocks with the dynamic scheduler, :func:`config_for`) at its own tiles, against
     float64; and the same tiles with one block per item."""
     q = xp.empty((batch, heads, n_q, 64), np.float16)
     kv = xp.empty((batch, heads, n_k, 64), np.float16)
@@ -292,6 +292,21 @@ def test_forward_wgmma_three_consumers_real_tiles(xp, rng, n_q, n_k, batch, head
     assert (cfg.block_m, cfg.block_n, cfg.persistent, cfg.dynamic) == (192, 128, True, True)
     for c in (cfg, dataclasses.replace(cfg, persistent=False, dynamic=False)):
         run_and_check(xp, rng, n_q, n_k, 64, kind, False, cfg=c, batch=batch, heads=heads, layout=layout, launch=launch)
+
+
+@pytest.mark.skipif(SIMULATOR or (compute_capability() or (0, 0))[0] != 9, reason="real tiles on a Hopper GPU")
+@pytest.mark.parametrize("n_q,n_k,batch,heads,kind,layout", [
+    (2100, 2100, 1, 20, "bfloat16", "bhsd"),  # 17 query tiles a head in causal pairs, a ragged last tile of each
+    (1500, 4000, 2, 3, "float16", "bshd"),  # seqlen_q < seqlen_k: every row sees keys; strided views
+])
+def test_forward_wgmma_seam_pick_real_tiles(xp, rng, n_q, n_k, batch, heads, kind, layout):
+    """The GPU's pick for causal calls at D = 64 from WSO_MIN_KEYS_D64 to SEAM_MAX_KEYS keys (128 × 192 tiles,
+    persistent, two Q_i buffers and the seam step, :func:`config_for`) at its own tiles, against float64."""
+    q = xp.empty((batch, heads, n_q, 64), np.float16)
+    kv = xp.empty((batch, heads, n_k, 64), np.float16)
+    cfg = W.config_for(64, kind, q, kv, kv, True)
+    assert (cfg.block_m, cfg.block_n, cfg.persistent, cfg.q_buffers, cfg.seam) == (128, 192, True, 2, True)
+    run_and_check(xp, rng, n_q, n_k, 64, kind, True, cfg=cfg, batch=batch, heads=heads, layout=layout, launch=launch)
 
 
 @pytest.mark.parametrize("n_qt", [1, 2, 5, 16])
@@ -385,21 +400,28 @@ def test_tma_configuration_rules():
 @pytest.mark.skipif(SIMULATOR or (compute_capability() or (0, 0))[0] != 9, reason="config_for picks on a Hopper GPU")
 @pytest.mark.parametrize("d", [64, 128])
 def test_config_for_persistent_rule(d):
-    """On the GPU, :func:`config_for` gives TMA picks persistent blocks except for long non-causal calls, and the
-    long-sequence tiles at D = 64 from WSO_MIN_KEYS_D64 keys; the grid is then one block per multiprocessor."""
+    """On the GPU, :func:`config_for` gives TMA picks persistent blocks except for long non-causal calls (but the
+    three-consumer kernel's, which keep them with the dynamic scheduler), the long-sequence tiles at D = 64 from
+    WSO_MIN_KEYS_D64 keys, and the causal ones the seam step below SEAM_MAX_KEYS; the grid is then one block per
+    multiprocessor."""
     import cupy as cp
 
-    for n_k in (W.WSO_MIN_KEYS_D64 - 8, W.PERSISTENT_MAX_KEYS):
+    for n_k in (W.WSO_MIN_KEYS_D64 - 8, W.WSO_MIN_KEYS_D64, W.SEAM_MAX_KEYS - 8, W.SEAM_MAX_KEYS,
+                W.PERSISTENT_MAX_KEYS):
         q = cp.empty((1, 2, 256, d), cp.float16)
         kv = cp.empty((1, 2, n_k, d), cp.float16)
         for causal in (False, True):
             cfg = W.config_for(d, "float16", q, kv, kv, causal)
             three = d == 64 and n_k >= W.WSO_MIN_KEYS_D64 and not causal  # 192 × 128 tiles
+            assert three == W.three_consumers(d, n_k >= W.WSO_MIN_KEYS_D64, causal)
             assert cfg.copies == "tma" and cfg.block_m == (192 if three else 128), (n_k, causal)
-            assert cfg.persistent == (causal or n_k < W.PERSISTENT_MAX_KEYS), (n_k, causal)
-            assert cfg.dynamic == (three and cfg.persistent), (n_k, causal)  # the three-consumer kernel's only
+            assert cfg.persistent == (causal or three or n_k < W.PERSISTENT_MAX_KEYS), (n_k, causal)
+            assert cfg.dynamic == three, (n_k, causal)  # the three-consumer kernel's only
+            wide = d == 64 and not three and n_k >= W.WSO_MIN_KEYS_D64  # 128 × 192 tiles
             if d == 64 and not three:
-                assert cfg.block_n == (192 if n_k >= W.WSO_MIN_KEYS_D64 else 128)
+                assert cfg.block_n == (192 if wide else 128)
+            seam = wide and causal and n_k < W.SEAM_MAX_KEYS
+            assert (cfg.seam, cfg.q_buffers) == ((True, 2) if seam else (False, 1)), (n_k, causal)
     cfg = W.choose_config(d, "float16", simulator=False)
     assert W.work_grid(cfg, 8, 16, 4096, False) == (W.multiprocessor_count(), 1, 1)
     assert W.work_grid(dataclasses.replace(cfg, persistent=False), 8, 16, 4096, True) == (8 * 16 * 32 // 2, 1, 1)
