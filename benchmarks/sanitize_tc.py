@@ -28,10 +28,10 @@ last ones its general path; the ``mma.sync`` forward's O goes out through shared
 stores), the ``wgmma`` forward's through the packed-pair epilogue.
 
 ``--wgmma-forward`` (sm_90): only the ``wgmma`` forward's TMA picks at D = 64 and 128 (and D = 64's two
-long-sequence ones, the non-causal one with three consumer warpgroups; and the causal one with two Q_i buffers and the
-seam step, an option), each persistent (one block per multiprocessor) and not, at 2 × 16 heads × 1100 rows (more
-work chunks than multiprocessors, so persistent blocks take several, causal ones in pairs) and at 300 queries over
-131 keys (items that see no key), causal and not.
+long-sequence ones: the non-causal one with three consumer warpgroups, and the causal one with and without two Q_i
+buffers and the seam step, its pick from 2k to 8k keys), each persistent (one block per multiprocessor) and not,
+at 2 × 16 heads × 1100 rows (more work chunks than multiprocessors, so persistent blocks take several, causal ones
+in pairs) and at 300 queries over 131 keys (items that see no key), causal and not.
 
 ``--wgmma-backward`` (sm_90): only the ``wgmma`` backward's defaults (the warp-specialised dK/dV kernel, copying
 by TMA) at D = 40, 64, 96 and 128, by both dQ routes, causal and not, on bshd views at 150 and 300 queries over
@@ -97,8 +97,8 @@ if "--wgmma-forward" in sys.argv[1:]:
                        (0, 1))
     for d in (64, 128):
         # At D = 64 also the long-sequence picks: 128 × 192 (causal) and three consumers, 192 × 128 (non-causal;
-        # always one block per item, whatever ``persistent`` asks); and the causal pick with two Q_i buffers and
-        # the seam step (an option, not a pick).
+        # persistent: with the dynamic scheduler); and the causal one with two Q_i buffers and the seam step
+        # (config_for's pick below SEAM_MAX_KEYS keys).
         cfgs = [forward_wgmma.choose_config(d, "float16", simulator=False, long_keys=long_keys,
                                             persistent=persistent, causal=pick_causal)
                 for long_keys, pick_causal in (((False, True), (True, True), (True, False)) if d == 64 else
