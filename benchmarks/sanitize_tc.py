@@ -105,7 +105,8 @@ if "--wgmma-forward" in sys.argv[1:]:
                                                ((False, True),))
                 for persistent in (True, False)]
         if d == 64:
-            cfgs += [dataclasses.replace(cfgs[2 + i], q_buffers=2, seam=True) for i in range(2)]
+            cfgs += [forward_wgmma.choose_config(d, "float16", simulator=False, long_keys=True, persistent=persistent,
+                                                 seam=True) for persistent in (True, False)]
         for cfg in cfgs[part::parts]:
             for (b, h, n_q, n_k), causal in [((2, 16, 1100, 1100), False), ((2, 16, 1100, 1100), True),
                                              ((1, 4, 300, 131), True)]:

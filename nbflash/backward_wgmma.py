@@ -227,7 +227,16 @@ from ._device import (
 from ._tiles import LOG2E, HeadDimSlices, make_padded_offset, make_pair_stager, make_tc_tile_storer
 from ._validate import array_module, tile_rows_problem
 from .forward_tc import fragment_steps
-from .forward_wgmma import PANEL, REGISTERS, no_maps, rs_product, ss_product, supported_device, swizzled_tile_loader
+from .forward_wgmma import (
+    PANEL,
+    REGISTERS,
+    no_maps,
+    padded_head_dim,
+    rs_product,
+    ss_product,
+    supported_device,
+    swizzled_tile_loader,
+)
 from .masking import d_key_range, d_query_range, d_row_key_end, d_tile_needs_mask
 
 __all__ = [
@@ -357,7 +366,7 @@ class WGBackwardConfig(HeadDimSlices):
     @property
     def d_pad(self) -> int:
         """D rounded up to whole 64-column panels; the padding is zero in shared memory."""
-        return -(-self.head_dim // PANEL) * PANEL
+        return padded_head_dim(self.head_dim)
 
     @property
     def dq_cols(self) -> int:

@@ -380,6 +380,11 @@ REGISTERS = REGISTER_SPLITS[2]  # two consumers (the backward's dK/dV kernel)
 NAMED_BARRIERS = 16
 
 
+def padded_head_dim(head_dim: int) -> int:
+    """The head dim rounded up to whole 64-column panels (:data:`PANEL`), as the tiles hold it in shared memory."""
+    return -(-head_dim // PANEL) * PANEL
+
+
 @dataclass(frozen=True)
 class WGConfig:
     """Compile-time constants of the wgmma forward kernel.
@@ -544,7 +549,7 @@ class WGConfig:
     @property
     def d_pad(self) -> int:
         """D rounded up to whole 64-column panels; the padding is zero in shared memory."""
-        return -(-self.head_dim // PANEL) * PANEL
+        return padded_head_dim(self.head_dim)
 
 
 def shared_offsets(cfg: WGConfig) -> tuple[int, int, int]:
@@ -623,7 +628,7 @@ def swizzled_tile_loader(ROWS: int, THREADS: int, D: int, COLS: int | None = Non
     rows are padded to whole 64-column panels).  Used for Q, K, V (and, in the
     backward, dO) tiles alike.
     """
-    D_PAD = COLS or -(-D // PANEL) * PANEL
+    D_PAD = COLS or padded_head_dim(D)
     U_PANEL = np.uint64(ROWS * PANEL)  # elements of one 64-column panel of the tile
     u64 = numba.uint64
 
@@ -1534,7 +1539,7 @@ def choose_config(
 
     Since 2026-12-07 (fortieth session, H100; the thirty-ninth session's
     32-bit stage, phase and tile-count arithmetic and int32 mask compares,
-    timed against the tree before them in one run, +2 … +5 % on every pick:
+    timed against the tree before them in one run, +2 … +6 % on every pick:
     ``tc-forward-NVIDIA-H100-80GB-HBM3-2026-12-07-s40-new.json`` against
     ``…-s40-old.json``), two rules
     moved.  The three-consumer kernel keeps persistent blocks with the
@@ -1672,7 +1677,7 @@ def choose_config(
     """
     if simulator:
         return WGConfig(64, 16, head_dim, input_kind)
-    d_pad = -(-head_dim // PANEL) * PANEL
+    d_pad = padded_head_dim(head_dim)
     if three_consumers(head_dim, long_keys, causal) and copies == "tma":
         # Three consumer warpgroups (192 query rows); persistent blocks only with the dynamic scheduler: see above.
         return WGConfig(192, 128, head_dim, input_kind, "ws-overlap", stages=3, copies="tma", setmaxnreg=True,
@@ -1692,7 +1697,7 @@ def choose_config(
 def three_consumers(head_dim: int, long_keys: bool, causal: bool) -> bool:
     """Does :func:`choose_config` (copying with TMA) pick the three-consumer kernel, 192 × 128 tiles?  Non-causal
     calls at a padded D <= 64 from :data:`WSO_MIN_KEYS_D64` keys (``long_keys``)."""
-    return -(-head_dim // PANEL) * PANEL <= 64 and long_keys and not causal
+    return padded_head_dim(head_dim) <= 64 and long_keys and not causal
 
 
 #: At D <= 64 the 128 × 192 ws-overlap kernel pays from this many keys on (persistent, both kinds of kernel:
