@@ -125,7 +125,11 @@ WG_CANDIDATES = {
           (128, 176, "ws-overlap:2:tma:r:pd:s"),
           (128, 128, "ws-overlap:3:tma:r:p::::e2"), (128, 128, "ws-overlap:3:tma:r:::::e2"),
           (128, 128, "ws-overlap:3:tma:r:pdl")],
-    256: [(128, 64, "overlap"), (128, 64, "ws:2"), (128, 32, "ws:3")],
+    # D > 128 with TMA: 2 split stages (3 do not fit beside Q_i), S's k-steps unrolled, WIDE_REGISTER_SPLIT; the
+    # widest tiles without local memory offline (128 × 80 at D = 256 and 128 × 112 at D = 192 spill)
+    176: [(128, 64, "overlap"), (128, 96, "ws-overlap:2:tma:r:p:s"), (128, 96, "ws-overlap:2:tma:r::s")],
+    256: [(128, 64, "overlap"), (128, 64, "ws:2"), (128, 32, "ws:3"),
+          (128, 64, "ws-overlap:2:tma:r:p:s"), (128, 64, "ws-overlap:2:tma:r::s"), (128, 64, "ws:2:tma:r:p")],
 }
 
 

@@ -473,7 +473,7 @@ class _Consts:
         self.OWN_PANEL, self.STREAM_PANEL = cfg.block_m * PANEL * 2, cfg.block_n * PANEL * 2  # bytes per panel
         self.kind = kind = "f16" if cfg.input_kind == "float16" else "bf16"
         # shared (own tile) × shared (streamed tile), both K-major; registers × shared (streamed, N-major)
-        self.ss = ss_product(cfg.block_n, kind, self.K_STEPS, self.OWN_PANEL, self.STREAM_PANEL)
+        self.ss = ss_product(cfg.block_n, kind, self.K_STEPS, self.OWN_PANEL, self.STREAM_PANEL, self.K_STEPS > 8)
         self.rs = rs_product(self.SLICE, kind, self.N_STEPS)  # the block's slice of dV, dK or dQ
         self.SMEM_ALIGN = None if SIMULATOR else 1024
 
@@ -1103,6 +1103,8 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
 #: The largest head dim for which ``backend="auto"`` picks this backward on Hopper.  Above it the head dim is
 #: cut into slices, and at D = 256 (bf16, N = 1k–16k, ``tc-backward-NVIDIA-H200-2026-12-02-wg256.json``) that
 #: measured 75–104 TFLOP/s against 97–167 for the ``mma.sync`` backward's atomic route, which ``auto`` keeps.
+#: Then Sᵀ's and dPᵀ's 16 k-steps were a loop that ptxas waited in after every second k-step; they are unrolled
+#: since 2026-12-07 (:func:`~nbflash.forward_wgmma.ss_product`; offline only, not timed yet).
 AUTO_MAX_HEAD_DIM = 128
 
 

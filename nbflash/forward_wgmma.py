@@ -185,6 +185,18 @@ D = 128, room for wider 128 × 176 tiles (208 KB)::
     producer:   … EMPTY(K_{j-1}) ─ K_{j+1} ─ VEMPTY(V_{j-1}) ─ V_{j+1} …
     consumers:  S_j, P_{j-1}V_{j-1} issued ─ S_j landed: release K_j ─ softmax ─ P V landed: release V_{j-1}
 
+The same 2 split stages make room for D > 128 in ws-overlap with TMA: at
+D = 256, Q_i's 64 KB and two stages of 128 × 64 K/V tiles take 192 KB.
+Two things are different there (built 2026-12-07, offline only; the pick
+above D = 128 is still the ``overlap`` pipeline, and these kernels are not
+timed).  S's 16 k-steps are unrolled in Python (:func:`ss_product`), since
+the ``range`` loop NVVM keeps makes ptxas wait for each pair of k-steps.  And
+the producer keeps 56 registers, each consumer 224
+(:data:`WIDE_REGISTER_SPLIT`): with 24 the producer's code spilled.  O then
+holds 128 of a consumer's registers.  Offline (sm_90a) this gives no local
+memory at D = 256 with 128 × 64 tiles or at D = 192 (padded) with 128 × 96;
+128 × 80 and 128 × 112 spill.
+
 **Three consumers** (``block_m=192``, ws pipelines; FlashAttention-3's
 shape at D = 64).  Three warpgroups of 64 query rows take turns in a ring:
 warpgroup w waits at named barrier ``TURN_0 + w`` and hands on at the next
@@ -375,6 +387,11 @@ COPIES = ("cp.async", "tma")  # the ws producer's copy instructions
 #: by the number of consumer warpgroups (FlashAttention-3's splits: 128 · 24 + 256 · 240 = 64512 of the SM's 65536
 #: with two, 128 · 32 + 384 · 160 = 65536 with three).
 REGISTER_SPLITS = {2: (24, 240), 3: (32, 160)}
+#: ... with two consumers and D > 128 (padded): the producer's work for four 64-column panels a tile does not fit
+#: 24 registers.  Offline (sm_90a, D = 256, 128 × 64 ws-overlap tiles): 284 bytes of local memory with 24 / 240, all
+#: in the producer's code and in values kept from before the split; 84 with 40 / 232; none with 56 / 224, where O
+#: takes 128 of a consumer's registers.  Both counts use the whole 384 × 168 the launch holds.
+WIDE_REGISTER_SPLIT = (56, 224)
 REGISTERS = REGISTER_SPLITS[2]  # two consumers (the backward's dK/dV kernel)
 #: Named barriers a block may use (ids 0 … 15; 0 is ``syncthreads``'s).
 NAMED_BARRIERS = 16
@@ -543,7 +560,10 @@ class WGConfig:
 
     @property
     def register_split(self) -> tuple[int, int]:
-        """``setmaxnreg``: registers per thread of the producer and of each consumer (:data:`REGISTER_SPLITS`)."""
+        """``setmaxnreg``: registers per thread of the producer and of each consumer (:data:`REGISTER_SPLITS`;
+        :data:`WIDE_REGISTER_SPLIT` with two consumers at D > 128)."""
+        if self.warpgroups == 2 and self.d_pad > 2 * PANEL:
+            return WIDE_REGISTER_SPLIT
         return REGISTER_SPLITS[self.warpgroups]
 
     @property
@@ -640,27 +660,66 @@ def swizzled_tile_loader(ROWS: int, THREADS: int, D: int, COLS: int | None = Non
     return make_tc_tile_copier(ROWS, THREADS, D, D_PAD // 8, device_function(swizzled_offset))
 
 
+def _k_step_offset(kk, panel):
+    """A K-major descriptor's address step for k-step ``kk`` of a tile of 64-column panels (``panel`` bytes each):
+    32 bytes per k-step along the 128-byte lines (kk % 4), in panel kk // 4, in the field's 16-byte units."""
+    return ((kk // 4) * panel + 32 * (kk % 4)) >> 4
+
+
+d_k_step_offset = device_function(_k_step_offset)
+
+
 @functools.cache
-def ss_product(n: int, kind: str, k_steps: int, a_panel: int, b_panel: int):
+def ss_product(n: int, kind: str, k_steps: int, a_panel: int, b_panel: int, unrolled: bool = False):
     """``acc = product(acc, a_desc, b_desc)``: issue A·Bᵀ (64 × n) over ``k_steps`` k-steps of 16, both operands
     K-major swizzled tiles of 64-column panels (``a_panel``, ``b_panel``: bytes per panel of each tile).
 
-    k-step kk reads 32 bytes further along the 128-byte lines (kk % 4), in
-    panel kk // 4: a descriptor's address field grows by those bytes >> 4.
-    The first k-step ignores ``acc`` (``scale_d = 0``).  Issue only: the
-    caller fences before and commits / waits after.
+    k-step kk's descriptors step by :func:`_k_step_offset`.  The first
+    k-step ignores ``acc`` (``scale_d = 0``).  Issue only: the caller
+    fences before and commits / waits after.
+
+    ``unrolled``: the k-steps unrolled in Python, one device function per
+    k-step issuing its wgmma with constant offsets and calling the next.
+    LLVM unrolls the ``range`` loop only up to 8 k-steps (D = 128).  At D =
+    256 it stays a loop, and ptxas waits for every wgmma in flight at a
+    loop's back edge: each pair of k-steps of S then runs alone (offline,
+    sm_90a: a dummy ``HGMMA`` and a ``gsb0`` wait per iteration).  Up to 8
+    k-steps both forms give the same SASS (the D = 128 and the three-consumer
+    D = 64 picks compared line by line, 2026-12-07), but unrolled, the
+    ``overlap`` pipeline at D = 256 (255 registers, no ``setmaxnreg``)
+    spills 184 bytes.  So the forward asks for it in its ws kernels only
+    (their consumers take 224 registers there), and the backward above D =
+    128 (:mod:`nbflash.backward_wgmma`: 245 and 156 registers at D = 256,
+    no local memory, the dummy groups gone).
     """
     wgmma_ss = HW.wgmma(n, kind)
     u64 = numba.uint64
 
-    def product(acc, a_desc, b_desc):
-        for kk in range(k_steps):
-            a_step = u64(((kk // 4) * a_panel + 32 * (kk % 4)) >> 4)
-            b_step = u64(((kk // 4) * b_panel + 32 * (kk % 4)) >> 4)
-            acc = wgmma_ss(a_desc + a_step, b_desc + b_step, acc, kk > 0)
-        return acc
+    if not unrolled:
+        def product(acc, a_desc, b_desc):
+            for kk in range(k_steps):
+                a_step, b_step = u64(d_k_step_offset(kk, a_panel)), u64(d_k_step_offset(kk, b_panel))
+                acc = wgmma_ss(a_desc + a_step, b_desc + b_step, acc, kk > 0)
+            return acc
 
-    return device_function(product)
+        return device_function(product)
+
+    def k_step(kk):
+        a_step, b_step = _k_step_offset(kk, a_panel), _k_step_offset(kk, b_panel)
+        first = kk == 0
+        if kk == k_steps - 1:
+            def last(acc, a_desc, b_desc):
+                return wgmma_ss(a_desc + u64(a_step), b_desc + u64(b_step), acc, not first)
+
+            return device_function(last)
+        rest = k_step(kk + 1)
+
+        def step(acc, a_desc, b_desc):
+            return rest(wgmma_ss(a_desc + u64(a_step), b_desc + u64(b_step), acc, not first), a_desc, b_desc)
+
+        return device_function(step)
+
+    return k_step(0)
 
 
 @functools.cache
@@ -697,7 +756,8 @@ def _forward_wgmma_kernel(cfg: WGConfig):
     Q_PANEL, KV_PANEL = BLOCK_M * PANEL * 2, BLOCK_N * PANEL * 2  # bytes of one 64-column panel of a tile
     SW128, SBO = HW.SWIZZLE_128B, 1024  # 8 swizzled 128-byte lines per atom, atoms stacked densely
     kind = "f16" if cfg.input_kind == "float16" else "bf16"
-    qk_product = ss_product(BLOCK_N, kind, K_STEPS, Q_PANEL, KV_PANEL)  # S = Q K^T: shared × shared, K-major
+    # S = Q K^T: shared × shared, K-major (the ws kernels unroll its k-steps, all of them in flight at once)
+    qk_product = ss_product(BLOCK_N, kind, K_STEPS, Q_PANEL, KV_PANEL, cfg.warp_specialized and K_STEPS > 8)
     pv_product = rs_product(D_PAD, kind, PV_STEPS)  # O += P V: P in registers, V N-major
     u32, u64 = numba.uint32, numba.uint64
     SMEM_ALIGN = None if SIMULATOR else 1024  # a 128-byte-swizzle atom must start 1024-byte aligned

@@ -148,6 +148,22 @@ def test_forward_wgmma_split_kv(xp, rng, pipeline, stages, kind, causal, n_q, n_
 
 
 @hopper
+@pytest.mark.parametrize("d,kind,causal,n_q,n_k,layout", [
+    (256, "bfloat16", True, 130, 45, "bshd"),  # four panels; causal, ragged, rows that see no key
+    (176, "float16", False, 70, 53, "bhsd"),  # padded to three panels (the third a quarter zeros)
+])
+def test_forward_wgmma_ws_wide_head_dims(xp, rng, d, kind, causal, n_q, n_k, layout):
+    """D > 128 on the ws-overlap kernel with TMA (2 split stages, persistent blocks, ``setmaxnreg``): one box per
+    panel of each tile, S = Q Kᵀ's k-steps unrolled across the panels (``ss_product(unrolled=True)``), the
+    producer and consumers on :data:`~nbflash.forward_wgmma.WIDE_REGISTER_SPLIT`.  Not a pick yet (untimed)."""
+    cfg = W.WGConfig(128, 16, d, kind, "ws-overlap", stages=2, copies="tma", setmaxnreg=True, persistent=True,
+                     split_kv=True)
+    assert cfg.register_split == W.WIDE_REGISTER_SPLIT
+    assert 128 * cfg.register_split[0] + 256 * cfg.register_split[1] <= 384 * 168  # what the launch holds
+    run_and_check(xp, rng, n_q, n_k, d, kind, causal, cfg=cfg, layout=layout, heads=1, launch=launch)
+
+
+@hopper
 @pytest.mark.parametrize("block_m,pipeline,stages,seam,kind,causal,n_q,n_k,batch,heads,persistent,split", [
     # persistent causal pairs, ragged: seams within and across chunks, the first masked tile at the seam
     (128, "ws-overlap", 3, True, "bfloat16", True, 200, 75, 2, 1, True, False),
