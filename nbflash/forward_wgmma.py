@@ -194,7 +194,7 @@ the ``range`` loop NVVM keeps makes ptxas wait for each pair of k-steps.  And
 the producer keeps 56 registers, each consumer 224
 (:data:`WIDE_REGISTER_SPLIT`): with 24 the producer's code spilled.  O then
 holds 128 of a consumer's registers.  Offline (sm_90a) this gives no local
-memory at D = 256 with 128 × 64 tiles or at D = 192 (padded) with 128 × 96;
+memory at D = 256 with 128 × 64 tiles or at D = 192 with 128 × 96;
 128 × 80 and 128 × 112 spill.
 
 **Three consumers** (``block_m=192``, ws pipelines; FlashAttention-3's
