@@ -473,7 +473,7 @@ class _Consts:
         self.OWN_PANEL, self.STREAM_PANEL = cfg.block_m * PANEL * 2, cfg.block_n * PANEL * 2  # bytes per panel
         self.kind = kind = "f16" if cfg.input_kind == "float16" else "bf16"
         # shared (own tile) × shared (streamed tile), both K-major; registers × shared (streamed, N-major)
-        self.ss = ss_product(cfg.block_n, kind, self.K_STEPS, self.OWN_PANEL, self.STREAM_PANEL, self.K_STEPS > 8)
+        self.ss = ss_product(cfg.block_n, kind, self.K_STEPS, self.OWN_PANEL, self.STREAM_PANEL, unrolled=True)
         self.rs = rs_product(self.SLICE, kind, self.N_STEPS)  # the block's slice of dV, dK or dQ
         self.SMEM_ALIGN = None if SIMULATOR else 1024
 

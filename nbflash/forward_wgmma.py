@@ -660,6 +660,11 @@ def swizzled_tile_loader(ROWS: int, THREADS: int, D: int, COLS: int | None = Non
     return make_tc_tile_copier(ROWS, THREADS, D, D_PAD // 8, device_function(swizzled_offset))
 
 
+#: LLVM unrolls ``ss_product``'s ``range`` loop up to this many k-steps (D = 128): there both forms give the same
+#: SASS (the D = 128 and the three-consumer D = 64 picks compared line by line, 2026-12-07).
+LLVM_UNROLLED_K_STEPS = 8
+
+
 def _k_step_offset(kk, panel):
     """A K-major descriptor's address step for k-step ``kk`` of a tile of 64-column panels (``panel`` bytes each):
     32 bytes per k-step along the 128-byte lines (kk % 4), in panel kk // 4, in the field's 16-byte units."""
@@ -678,24 +683,23 @@ def ss_product(n: int, kind: str, k_steps: int, a_panel: int, b_panel: int, unro
     k-step ignores ``acc`` (``scale_d = 0``).  Issue only: the caller
     fences before and commits / waits after.
 
-    ``unrolled``: the k-steps unrolled in Python, one device function per
-    k-step issuing its wgmma with constant offsets and calling the next.
-    LLVM unrolls the ``range`` loop only up to 8 k-steps (D = 128).  At D =
-    256 it stays a loop, and ptxas waits for every wgmma in flight at a
-    loop's back edge: each pair of k-steps of S then runs alone (offline,
-    sm_90a: a dummy ``HGMMA`` and a ``gsb0`` wait per iteration).  Up to 8
-    k-steps both forms give the same SASS (the D = 128 and the three-consumer
-    D = 64 picks compared line by line, 2026-12-07), but unrolled, the
-    ``overlap`` pipeline at D = 256 (255 registers, no ``setmaxnreg``)
-    spills 184 bytes.  So the forward asks for it in its ws kernels only
-    (their consumers take 224 registers there), and the backward above D =
-    128 (:mod:`nbflash.backward_wgmma`: 245 and 156 registers at D = 256,
-    no local memory, the dummy groups gone).
+    ``unrolled``: where the ``range`` loop would stay a loop (more than
+    :data:`LLVM_UNROLLED_K_STEPS` k-steps), unroll it in Python instead: one
+    device function per k-step, its offsets constants, chained as
+    :func:`~nbflash.backward_tc._make_tile_product` chains its k-steps (inlined
+    by NVVM).  At D = 256 the loop's back edge makes ptxas wait for every
+    wgmma in flight: each pair of k-steps of S then runs alone (offline,
+    sm_90a: a dummy ``HGMMA`` and a ``gsb0`` wait per iteration).  Unrolled,
+    the ``overlap`` pipeline at D = 256 (255 registers, no ``setmaxnreg``)
+    spills 184 bytes, so the forward asks for it in its ws kernels only
+    (their consumers take 224 registers there), and the backward always
+    (:mod:`nbflash.backward_wgmma`: 245 and 156 registers at D = 256, no
+    local memory, the dummy groups gone).
     """
     wgmma_ss = HW.wgmma(n, kind)
     u64 = numba.uint64
 
-    if not unrolled:
+    if not (unrolled and k_steps > LLVM_UNROLLED_K_STEPS):
         def product(acc, a_desc, b_desc):
             for kk in range(k_steps):
                 a_step, b_step = u64(d_k_step_offset(kk, a_panel)), u64(d_k_step_offset(kk, b_panel))
@@ -705,21 +709,20 @@ def ss_product(n: int, kind: str, k_steps: int, a_panel: int, b_panel: int, unro
         return device_function(product)
 
     def k_step(kk):
-        a_step, b_step = _k_step_offset(kk, a_panel), _k_step_offset(kk, b_panel)
-        first = kk == 0
-        if kk == k_steps - 1:
-            def last(acc, a_desc, b_desc):
-                return wgmma_ss(a_desc + u64(a_step), b_desc + u64(b_step), acc, not first)
+        a_step, b_step, accumulate = _k_step_offset(kk, a_panel), _k_step_offset(kk, b_panel), kk > 0
 
-            return device_function(last)
-        rest = k_step(kk + 1)
+        def one_step(acc, a_desc, b_desc):
+            return wgmma_ss(a_desc + u64(a_step), b_desc + u64(b_step), acc, accumulate)
 
-        def step(acc, a_desc, b_desc):
-            return rest(wgmma_ss(a_desc + u64(a_step), b_desc + u64(b_step), acc, not first), a_desc, b_desc)
+        return device_function(one_step, nvvm_inline=True)
 
-        return device_function(step)
+    def then(first, second):
+        def both(acc, a_desc, b_desc):
+            return second(first(acc, a_desc, b_desc), a_desc, b_desc)
 
-    return k_step(0)
+        return device_function(both, nvvm_inline=True)
+
+    return functools.reduce(then, (k_step(kk) for kk in range(k_steps)))
 
 
 @functools.cache
@@ -757,7 +760,7 @@ def _forward_wgmma_kernel(cfg: WGConfig):
     SW128, SBO = HW.SWIZZLE_128B, 1024  # 8 swizzled 128-byte lines per atom, atoms stacked densely
     kind = "f16" if cfg.input_kind == "float16" else "bf16"
     # S = Q K^T: shared × shared, K-major (the ws kernels unroll its k-steps, all of them in flight at once)
-    qk_product = ss_product(BLOCK_N, kind, K_STEPS, Q_PANEL, KV_PANEL, cfg.warp_specialized and K_STEPS > 8)
+    qk_product = ss_product(BLOCK_N, kind, K_STEPS, Q_PANEL, KV_PANEL, unrolled=cfg.warp_specialized)
     pv_product = rs_product(D_PAD, kind, PV_STEPS)  # O += P V: P in registers, V N-major
     u32, u64 = numba.uint32, numba.uint64
     SMEM_ALIGN = None if SIMULATOR else 1024  # a 128-byte-swizzle atom must start 1024-byte aligned
