@@ -9,6 +9,7 @@ in a fresh interpreter with ``NUMBA_ENABLE_CUDASIM=0`` and the repository on
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -32,6 +33,24 @@ def offline_json_rows(script: str, *args: str, timeout: int = 900) -> list[dict]
                           timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+# The wgmma kernels' sm_90a checks run in this many tests (and subprocesses), so that pytest-xdist spreads the
+# compiles over its workers: a warp-specialised kernel takes 1-2 minutes on one of CI's cores (Numba's typing and
+# lowering most of it), and the whole forward list in one process ran past half an hour there.
+OFFLINE_PARTS = 4
+
+
+def part_of(targets, parts: int = OFFLINE_PARTS) -> list[int]:
+    """The part (of ``parts``) each of ``targets`` (``compile_targets()``'s ``(name, cfg, ...)`` rows) is compiled
+    in.  A kernel with ``poly_exp2`` shares its part with the same kernel without it, which a test compares it
+    with; the other kernels go round the parts in order."""
+    def group(row):
+        name, cfg = row[:2]
+        return name, dataclasses.replace(cfg, poly_exp2=0) if hasattr(cfg, "poly_exp2") else cfg
+
+    groups = list(dict.fromkeys(map(group, targets)))
+    return [groups.index(group(row)) % parts for row in targets]
 
 
 def find_nvdisasm():

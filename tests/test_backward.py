@@ -633,6 +633,7 @@ _PTX_ALL = [f"{d}:{k}" for d in (64, 128, 256) for k in ("float32", "float16", "
     f"{d}:float32:as" for d in (64, 128, 256)]
 
 
+@pytest.mark.offline
 def test_kernels_compile_for_sm90():
     """Every backward kernel compiles with NVVM for sm_90, with no register array in local memory.
 

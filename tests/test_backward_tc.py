@@ -608,6 +608,7 @@ for i, (cc, (name, cfg, kern, sig, fastmath)) in enumerate(ptx_jobs()):
 """
 
 
+@pytest.mark.offline
 @pytest.mark.parametrize("part", range(PTX_PARTS))
 def test_backward_tc_compiles_for_sm80_sm90_in_registers(part):
     """Every GPU configuration and kernel (a quarter of them per part): NVVM → PTX → ptxas (nvJitLink), no local

@@ -386,6 +386,7 @@ for i, (name, cfg, kern, sig, fastmath) in enumerate(targets):
 """
 
 
+@pytest.mark.offline
 def test_forward_tc_compiles_for_sm90_in_registers():
     """Every GPU configuration, and the extra sweep candidates: NVVM → PTX → ptxas (nvJitLink), no local
     memory, no spills, loops unrolled."""

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import types
 
 import numpy as np
 import pytest
-from offline import find_nvdisasm, offline_json_rows
+from offline import OFFLINE_PARTS, TESTS, find_nvdisasm, offline_json_rows, part_of
 from test_forward_tc import run_and_check, to_kind
 
 import nbflash
@@ -568,9 +569,11 @@ def test_config_validation_and_shared_memory():
 
 _PTX_SCRIPT = r"""
 import importlib, json, re, subprocess, sys, tempfile
-from nbflash._device import SIMULATOR, compile_ltoir_offline, compile_ptx_offline, ptxas_info
+sys.path.insert(0, sys.argv[1])
+from offline import part_of
+from nbflash._device import SIMULATOR, compile_ptx_and_ltoir_offline, compile_ptx_offline, ptxas_info
 assert not SIMULATOR
-nvdisasm = sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] else None
+module, nvdisasm, part, parts = sys.argv[2], sys.argv[3] or None, int(sys.argv[4]), int(sys.argv[5])
 
 
 def overlap(cubin):
@@ -594,13 +597,18 @@ def overlap(cubin):
     return (best, bool(re.search(r"HGMMA\.64x8x16\.\w+ RZ, gdesc\[URZ\]", sass)), sass.count("MUFU.EX2"),
             sass.count(", -12582912 ;"))
 
-for name, cfg, kern, sig, fastmath in importlib.import_module(sys.argv[1]).compile_targets():
+targets = importlib.import_module(module).compile_targets()
+for (name, cfg, kern, sig, fastmath), where in zip(targets, part_of(targets, parts)):
+    if where != part:
+        continue
     bounds = kern.targetoptions.get("launch_bounds")  # as the kernel is compiled for the GPU (ws: 168 registers)
     options = dict(cc=(9, 0, "a"), fastmath=fastmath, **({"launch_bounds": bounds} if bounds else {}))
-    ptx = compile_ptx_offline(kern.py_func, sig, **options)
-    # setmaxnreg is honoured only in a whole-program link, as numba-cuda links on a GPU (link-time optimisation).
+    # setmaxnreg is honoured only in a whole-program link, as numba-cuda links on a GPU (link-time optimisation):
+    # then ptxas reads the LTO IR; the PTX (NVVM's from the same compile) is what the regular expressions read.
     lto = getattr(cfg, "setmaxnreg", False)
-    info = ptxas_info(compile_ltoir_offline(kern.py_func, sig, **options) if lto else ptx, "sm_90a", check=False)
+    ptx, ltoir = (compile_ptx_and_ltoir_offline(kern.py_func, sig, **options) if lto
+                  else (compile_ptx_offline(kern.py_func, sig, **options), None))
+    info = ptxas_info(ltoir if lto else ptx, "sm_90a", check=False)
     overlapped_ex2, dummy_hgmma, ex2, poly_ex2 = overlap(info.get("cubin"))
     print(json.dumps(dict(name=name, config=repr(cfg), ok=info["ok"], log=info["log"][-1500:], lto=lto,
                           overlapped_ex2=overlapped_ex2, dummy_hgmma=dummy_hgmma, ex2=ex2, poly_ex2=poly_ex2,
@@ -616,16 +624,24 @@ for name, cfg, kern, sig, fastmath in importlib.import_module(sys.argv[1]).compi
 
 
 @functools.cache
-def offline_rows(module: str = "nbflash.forward_wgmma"):
-    """Every GPU configuration of ``module`` (its ``compile_targets()``) compiled for sm_90a and assembled by
-    ptxas, in a subprocess with the simulator off: one dict per kernel."""
-    return offline_json_rows(_PTX_SCRIPT, module, find_nvdisasm() or "", timeout=1800)
+def offline_rows(module: str, part: int) -> list[tuple[tuple, dict]]:
+    """Part ``part`` of ``module``'s GPU configurations (its ``compile_targets()``), each compiled for sm_90a and
+    assembled by ptxas in a subprocess with the simulator off: ``(target, row)`` pairs, one per kernel."""
+    targets = importlib.import_module(module).compile_targets()
+    mine = [t for t, where in zip(targets, part_of(targets), strict=True) if where == part]
+    rows = offline_json_rows(_PTX_SCRIPT, TESTS, module, find_nvdisasm() or "", str(part), str(OFFLINE_PARTS),
+                             timeout=1800)
+    assert len(rows) == len(mine) > 0, (len(rows), len(mine))
+    for (name, cfg, *_), row in zip(mine, rows, strict=True):
+        assert (row["name"], row["config"]) == (name, repr(cfg)), row
+    return list(zip(mine, rows, strict=True))
 
 
-def test_gpu_configurations_compile_for_sm90a_without_local_memory():
-    rows = offline_rows()
-    assert len(rows) == len(W.compile_targets())
-    for (_, cfg, *_), row in zip(W.compile_targets(), rows, strict=True):
+@pytest.mark.offline
+@pytest.mark.parametrize("part", range(OFFLINE_PARTS))
+def test_gpu_configurations_compile_for_sm90a_without_local_memory(part):
+    pairs = offline_rows("nbflash.forward_wgmma", part)
+    for (_, cfg, *_), row in pairs:
         assert row["ok"], row["log"]
         assert row["local"] == 0 and row["spill"] in (0, None), row
         assert not row["serialized"], row  # ptxas would wait for each wgmma before the next (its C75xx notes)
@@ -645,8 +661,7 @@ def test_gpu_configurations_compile_for_sm90a_without_local_memory():
         if cfg.poly_exp2 and row["ex2"] is not None:
             # poly_exp2 = 3: 3 of every 8 of the tiles' exponentials leave the special-function unit for the
             # polynomial (the rescale factors' stay), in the same kernel otherwise.
-            base = next(r for (_, c, *_), r in zip(W.compile_targets(), rows, strict=True)
-                        if c == dataclasses.replace(cfg, poly_exp2=0))
+            base = next(r for (_, c, *_), r in pairs if c == dataclasses.replace(cfg, poly_exp2=0))  # same part
             assert base["poly_ex2"] == 0 and row["poly_ex2"] == base["ex2"] - row["ex2"] > 0, (row, base)
             assert 0.9 * 3 * base["ex2"] < 8 * row["poly_ex2"] <= 3 * base["ex2"], (row, base)
         if cfg.pipeline == "overlap" and cfg.d_pad <= 192 and row["overlapped_ex2"] is not None:
