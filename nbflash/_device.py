@@ -802,7 +802,7 @@ def compile_ptx_and_ltoir_offline(pyfunc, signature, cc=(9, 0), **options) -> tu
 
     Numba's part of a compile (typing and lowering the kernel and its inlined
     device functions to LLVM IR) is most of its time: about 90 % for a
-    warp-specialised forward kernel on CI's CPU, against a few seconds for
+    warp-specialised forward kernel on a two-core CPU like CI's, against a few seconds for
     each NVVM run.  Here it runs once, and NVVM twice over the same LLVM IR.
     This relies on numba-cuda's internal ``_compile_pyfunc_with_fixup`` (the
     step that :func:`numba.cuda.compile` runs before it asks the code library

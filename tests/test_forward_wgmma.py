@@ -608,7 +608,7 @@ for (name, cfg, kern, sig, fastmath), where in zip(targets, part_of(targets, par
     lto = getattr(cfg, "setmaxnreg", False)
     ptx, ltoir = (compile_ptx_and_ltoir_offline(kern.py_func, sig, **options) if lto
                   else (compile_ptx_offline(kern.py_func, sig, **options), None))
-    info = ptxas_info(ltoir if lto else ptx, "sm_90a", check=False)
+    info = ptxas_info(ltoir or ptx, "sm_90a", check=False)
     overlapped_ex2, dummy_hgmma, ex2, poly_ex2 = overlap(info.get("cubin"))
     print(json.dumps(dict(name=name, config=repr(cfg), ok=info["ok"], log=info["log"][-1500:], lto=lto,
                           overlapped_ex2=overlapped_ex2, dummy_hgmma=dummy_hgmma, ex2=ex2, poly_ex2=poly_ex2,
