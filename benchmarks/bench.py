@@ -496,7 +496,8 @@ def _nbflash_unsupported(
 ) -> Callable[[Config], str | None]:
     """Why nbflash cannot run ``cfg``; ``variant``: a backward-only entry whose forward is nbflash-simt's;
     ``tensor_core``: the constraints of the tensor-core kernels (nbflash.which_backend has the full rule);
-    ``hopper``: the wgmma kernels' (compute capability 9.x; backward head dims multiples of 8 up to 128)."""
+    ``hopper``: the wgmma kernels' (compute capability 9.x).  Both tensor-core backwards take every head dim
+    that is a multiple of 8 up to 256 (above 128 in slices of 128 gradient columns)."""
 
     def unsupported(cfg: Config) -> str | None:
         import nbflash
@@ -516,10 +517,6 @@ def _nbflash_unsupported(
                 cc = nbflash._device.compute_capability()
                 if cc is None or cc[0] != 9:
                     return "nbflash wgmma: a Hopper GPU (compute capability 9.x) only"
-                if cfg.pass_name != "forward" and cfg.head_dim > 128:
-                    return "nbflash wgmma backward: head dim up to 128"
-            elif cfg.pass_name != "forward" and (cfg.head_dim % 16 or cfg.head_dim > 128):
-                return "nbflash tensor-core backward: head dim a multiple of 16 up to 128"
         return None
 
     return unsupported

@@ -27,7 +27,8 @@ routes; the forward's producer copies by TMA), the forward that copies with cp.a
 last ones its general path; the ``mma.sync`` forward's O goes out through shared memory (16-byte
 stores), the ``wgmma`` forward's through the packed-pair epilogue.
 
-``--wgmma-forward`` (sm_90): only the ``wgmma`` forward's TMA picks at D = 64 and 128 (and D = 64's two
+``--wgmma-forward`` (sm_90): only the ``wgmma`` forward's TMA picks at D = 64, 128, 176 and 256 (``--dims=176,256``:
+those only; above 128 the 2-stage ws-overlap kernels with K and V on their own mbarriers; and D = 64's two
 long-sequence ones: the non-causal one with three consumer warpgroups, and the causal one with and without two Q_i
 buffers and the seam step, its pick from 2k to 8k keys), each persistent (one block per multiprocessor) and not,
 at 2 × 16 heads × 1100 rows (more work chunks than multiprocessors, so persistent blocks take several, causal ones
@@ -95,7 +96,10 @@ if "--wgmma-forward" in sys.argv[1:]:
     # cache in n processes at once before the tool's run
     part, parts = next((tuple(int(x) for x in a.split("=")[1].split("/")) for a in sys.argv if a.startswith("--part=")),
                        (0, 1))
-    for d in (64, 128):
+    # --dims=176,256: only these head dims (default all four; above 128 the ws-overlap picks with split stages)
+    dims = next((tuple(int(x) for x in a.split("=")[1].split(",")) for a in sys.argv if a.startswith("--dims=")),
+                (64, 128, 176, 256))
+    for d in dims:
         # At D = 64 also the long-sequence picks: 128 × 192 (causal) and three consumers, 192 × 128 (non-causal;
         # persistent: with the dynamic scheduler); and the causal one with two Q_i buffers and the seam step
         # (config_for's pick below SEAM_MAX_KEYS keys).

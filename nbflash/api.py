@@ -372,20 +372,25 @@ def attention_backward(
             GPU default; not the simulator's 16-row ones).
         backend: ``"auto"`` (for float16/bfloat16: on a Hopper GPU (9.x)
             the wgmma backward of :mod:`nbflash.backward_wgmma` at head dims
-            that are multiples of 8 up to 128 — its warp-specialised defaults
+            that are multiples of 8 up to 128 and from 200 to 256 — its warp-specialised defaults
             measured 1.17–1.34× SDPA's FlashAttention-2 backward on the H200 at
             D = 128 and 1.04–1.19× at D = 64, 0.61–0.74× cuDNN (N = 512–16k,
             bf16 and fp16; ``tc-backward-NVIDIA-H200-2026-12-04-ws-final*.json``),
             against 0.96–1.10× FlashAttention-2 for the ``mma.sync`` one's
-            atomic default (2026-12-03);
-            else — and on Hopper above D = 128 — the tensor-core backward of
+            atomic default (2026-12-03); at D = 256 (two whole slices of 128
+            gradient columns, dQ by its own kernel) 145–188 TFLOP/s against
+            90–121 for the ``mma.sync`` backward's deterministic route and, non-causal,
+            153–170 for its atomic one (H100, bf16, N = 1k–16k;
+            ``tc-backward-NVIDIA-H100-80GB-HBM3-2026-12-07-s43-d256*.json``);
+            else — and on Hopper at D = 136 … 192 — the tensor-core backward of
             :mod:`nbflash.backward_tc` at head dims that are multiples of 8 up
             to 256 on an sm_80+ GPU; the SIMT one otherwise), ``"simt"`` or
             ``"tensor_core"``, or ``"wgmma"`` (Hopper's warpgroup kernels,
             :mod:`nbflash.backward_wgmma`; compute capability 9.x, head dims
             that are multiples of 8 up to 256 — above 128 in slices of 128
-            gradient columns, not yet timed, so ``"auto"`` keeps the
-            ``mma.sync`` backward there); independent of the forward's backend
+            gradient columns; at a padded 192 the second slice is half a zero
+            panel, not timed, so ``"auto"`` keeps the ``mma.sync`` backward
+            there); independent of the forward's backend
             (both read and write the same ``o`` and ``lse``).
 
     Returns:
@@ -459,7 +464,8 @@ def plan_backward(head_dim: int, input_kind: str, scale: float, do, q, k, v, o, 
                   causal: bool = False) -> Plan:
     """Choose the backward kernels for validated inputs (canonical views or descriptors): the rule of
     :func:`plan_forward`, with the tensor-core backward's own constraints (head dim a multiple of 8 up to 256;
-    the wgmma backward's, on Hopper, up to 128; its configuration depends on ``causal`` too,
+    the wgmma backward's, on Hopper, up to 128 and from 200 to 256,
+    :func:`nbflash.backward_wgmma.auto_takes_head_dim`; its configuration depends on ``causal`` too,
     :func:`nbflash.backward_wgmma.config_for`).
     The SIMT kernels copy their tiles by cp.async where the rows allow it (:func:`nbflash.backward.with_copies`)."""
     if backend not in BACKENDS:
@@ -483,8 +489,7 @@ def plan_backward(head_dim: int, input_kind: str, scale: float, do, q, k, v, o, 
     why, cfg = "", None
     if input_kind not in ("float16", "bfloat16"):
         why = f"the tensor cores take float16 and bfloat16, not {input_kind}"
-    elif (backend == "auto" and (compute_capability() or (0, 0))[0] == 9 and _bwd_wg.takes_head_dim(head_dim)
-          and head_dim <= _bwd_wg.AUTO_MAX_HEAD_DIM):
+    elif backend == "auto" and (compute_capability() or (0, 0))[0] == 9 and _bwd_wg.auto_takes_head_dim(head_dim):
         wg = _bwd_wg.config_for(head_dim, input_kind, do, q, k, v, o, causal)
         if _bwd_wg.can_implement(wg, do, q, k, v, o)[0]:
             return Plan("wgmma", wg, "float16/bfloat16 on sm_90: Hopper's wgmma")

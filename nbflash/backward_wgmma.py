@@ -1100,12 +1100,23 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
 # ----------------------------------------------------------------------------
 
 
-#: The largest head dim for which ``backend="auto"`` picks this backward on Hopper.  Above it the head dim is
-#: cut into slices, and at D = 256 (bf16, N = 1k–16k, ``tc-backward-NVIDIA-H200-2026-12-02-wg256.json``) that
-#: measured 75–104 TFLOP/s against 97–167 for the ``mma.sync`` backward's atomic route, which ``auto`` keeps.
-#: Then Sᵀ's and dPᵀ's 16 k-steps were a loop that ptxas waited in after every second k-step; they are unrolled
-#: since 2026-12-07 (:func:`~nbflash.forward_wgmma.ss_product`; offline only, not timed yet).
+#: The largest head dim up to which ``backend="auto"`` picks this backward on Hopper (and again above
+#: :data:`AUTO_MIN_WIDE_HEAD_DIM`, :func:`auto_takes_head_dim`).  Above it the head dim is cut into slices of 128
+#: columns.  At D = 256 (bf16, N = 1k–16k, ``tc-backward-NVIDIA-H200-2026-12-02-wg256.json``) that first measured
+#: 75–104 TFLOP/s against 97–167 for the ``mma.sync`` backward: Sᵀ's and dPᵀ's 16 k-steps were a loop that ptxas
+#: waited in after every second k-step.  Unrolled (:func:`~nbflash.forward_wgmma.ss_product`, 2026-12-07) it
+#: measured 145–188 against 90–121 by the ``mma.sync`` backward's deterministic route and, non-causal, 153–170 by
+#: its atomic one (H100, bf16, N = 1k / 4k / 16k, ``tc-backward-NVIDIA-H100-80GB-HBM3-2026-12-07-s43-d256*.json``).
 AUTO_MAX_HEAD_DIM = 128
+#: From this head dim on the padded width is 256 (two whole slices) and ``auto`` takes this backward again.  A
+#: padded width of 192 (D = 136 … 192) runs its second slice half on a zero panel; not timed, so ``auto`` keeps
+#: the ``mma.sync`` backward there.
+AUTO_MIN_WIDE_HEAD_DIM = 193
+
+
+def auto_takes_head_dim(head_dim: int) -> bool:
+    """Does ``backend="auto"`` pick this backward at this head dim on Hopper (:data:`AUTO_MAX_HEAD_DIM`)?"""
+    return takes_head_dim(head_dim) and (head_dim <= AUTO_MAX_HEAD_DIM or head_dim >= AUTO_MIN_WIDE_HEAD_DIM)
 
 
 def takes_head_dim(head_dim: int) -> bool:
@@ -1134,9 +1145,9 @@ def choose_config(head_dim: int, input_kind: str, *, simulator: bool = SIMULATOR
     offline check forbids it), and its overlapped version was not timed.  ``ws=False``: the best configuration
     without TMA (128 × 64, or 64 × 64 at D ≤ 64), for arrays whose strides the TMA cannot step
     (:func:`config_for`).
-    D > 128 (timed at D = 256 only, where ``auto`` keeps the ``mma.sync`` backward): one warpgroup, 64 × 64,
-    two slices of 128 gradient columns (193 KB of shared memory at D = 256; a padded D of 192 takes a zero
-    panel), dQ by its own kernel only (:func:`takes_atomic`).
+    D > 128 (timed at D = 256 only, where ``auto`` takes it since 2026-12-07, :data:`AUTO_MAX_HEAD_DIM`): one
+    warpgroup, 64 × 64, two slices of 128 gradient columns (193 KB of shared memory at D = 256; a padded D of
+    192 takes a zero panel), dQ by its own kernel only (:func:`takes_atomic`).
     Simulator: one warpgroup and 16-row streamed tiles (D > 128: the same slices), without ws (the tests run
     the ws kernel explicitly: a producer warpgroup doubles the simulated threads).
     """

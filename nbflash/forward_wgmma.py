@@ -187,15 +187,17 @@ D = 128, room for wider 128 × 176 tiles (208 KB)::
 
 The same 2 split stages make room for D > 128 in ws-overlap with TMA: at
 D = 256, Q_i's 64 KB and two stages of 128 × 64 K/V tiles take 192 KB.
-Two things are different there (built 2026-12-07, offline only; the pick
-above D = 128 is still the ``overlap`` pipeline, and these kernels are not
-timed).  S's 16 k-steps are unrolled in Python (:func:`ss_product`), since
-the ``range`` loop NVVM keeps makes ptxas wait for each pair of k-steps.  And
+Two things are different there (built 2026-12-07; the pick above D = 128
+since the forty-third session, :func:`choose_config`).  S's 16 k-steps are
+unrolled in Python (:func:`ss_product`), since the ``range`` loop NVVM keeps
+makes ptxas wait for each pair of k-steps.  And
 the producer keeps 56 registers, each consumer 224
 (:data:`WIDE_REGISTER_SPLIT`): with 24 the producer's code spilled.  O then
 holds 128 of a consumer's registers.  Offline (sm_90a) this gives no local
 memory at D = 256 with 128 × 64 tiles or at D = 192 with 128 × 96;
-128 × 80 and 128 × 112 spill.
+128 × 80 and 128 × 112 spill.  On an H100 these kernels, persistent, run
+1.5–2.1× the ``overlap`` kernel they replace, at 0.87–0.94× cuDNN with 1k
+keys, 0.97–1.06× with 4k and 1.00–1.12× with 16k (D = 176 and 256, bf16).
 
 **Three consumers** (``block_m=192``, ws pipelines; FlashAttention-3's
 shape at D = 64).  Three warpgroups of 64 query rows take turns in a ring:
@@ -1595,10 +1597,34 @@ def choose_config(
 
     ``long_keys``: at least :data:`WSO_MIN_KEYS_D64` keys (it matters at D <= 64 only).  ``persistent``: the
     pipelines that copy with TMA get persistent blocks (:func:`config_for` turns them off for long non-causal
-    calls, :data:`PERSISTENT_MAX_KEYS`, except on the three-consumer kernel).  ``causal=False`` (it matters at
-    D <= 64 with ``long_keys`` only): the pick for non-causal calls.  ``seam`` (it matters for the causal pick at
-    D <= 64 with ``long_keys`` only): two Q_i buffers and the seam step (:func:`config_for`: below
+    calls, :data:`PERSISTENT_MAX_KEYS`, except on the three-consumer kernel and above D = 128).  ``causal=False``
+    (it matters at D <= 64 with ``long_keys`` only): the pick for non-causal calls.  ``seam`` (it matters for the
+    causal pick at D <= 64 with ``long_keys`` only): two Q_i buffers and the seam step (:func:`config_for`: below
     :data:`SEAM_MAX_KEYS` keys).
+
+    Since 2026-12-07 (forty-third session, H100, bf16; each checked against
+    float64 first, worst 0.60–0.78 of the naive error in bf16 and fp16;
+    compute-sanitizer memcheck, racecheck and synccheck clean) the head dims
+    above 128 take ws-overlap with TMA too: 2 stages with K and V on their own
+    mbarriers (``split_kv``; 3 do not fit beside Q_i), ``setmaxnreg``
+    (:data:`WIDE_REGISTER_SPLIT`), 128 × 96 tiles at a padded 192 and 128 × 64
+    at 256, persistent at every length (:func:`config_for`).  TFLOP/s at N =
+    1k / 4k / 16k against the ``overlap`` kernel picked before and cuDNN in the
+    same run (``tc-forward-NVIDIA-H100-80GB-HBM3-2026-12-07-s43-wide.json``):
+
+    ======  ======  ===================  ===================  ===================
+    D       causal  this pick            ``overlap``          cuDNN
+    ======  ======  ===================  ===================  ===================
+    176     no      495 / 634 / 675      300 / 352 / 354      526 / 622 / 645
+    176     yes     338 / 529 / 607      229 / 309 / 338      390 / 535 / 585
+    256     no      541 / 696 / 739      307 / 363 / 353      610 / 717 / 741
+    256     yes     398 / 634 / 723      231 / 308 / 376      445 / 596 / 647
+    ======  ======  ===================  ===================  ===================
+
+    With one block per item the same kernels ran 1–7 % slower (at 16k keys
+    too: 693 against 739 at D = 256 non-causal), hence persistent blocks at
+    every length; the ws pipeline without the overlap (D = 256, persistent)
+    7–18 % slower.
 
     Since 2026-12-07 (fortieth session, H100; the thirty-ninth session's
     32-bit stage, phase and tile-count arithmetic and int32 mask compares,
@@ -1727,8 +1753,9 @@ def choose_config(
       (384 threads), so it spills.  Session 6: pingpong 315 / 408 / 439 against
       305 / 369 / 423 plain (SDPA flash 322 / 354 / 351); overlapped 298 /
       395 / 417.
-    * D > 128 (not timed): 128 × 64, overlapped (234 registers at D = 256,
-      no spill); checked on the H200 by the tests.
+    * D > 128 (not timed then): 128 × 64, overlapped (234 registers at D = 256,
+      no spill); checked on the H200 by the tests.  Today the pick without
+      TMA (``copies="cp.async"``).
 
     cuDNN reaches 414–477 (D = 64) and 575–662 (D = 128) in the same runs.
     Nsight Compute on the D = 128 pingpong kernel at N = 16k: tensor pipes
@@ -1750,6 +1777,9 @@ def choose_config(
         return WGConfig(128, 192 if wide else 128, head_dim, input_kind, "ws-overlap", stages=3, copies="tma",
                         setmaxnreg=True, persistent=persistent,
                         **({"q_buffers": 2, "seam": True} if wide and causal and seam else {}))
+    if copies == "tma":  # D > 128: 2 split stages beside Q_i; the widest tiles without local memory
+        return WGConfig(128, 96 if d_pad <= 3 * PANEL else 64, head_dim, input_kind, "ws-overlap", stages=2,
+                        copies="tma", setmaxnreg=True, persistent=persistent, split_kv=True)
     if d_pad <= 64:
         return WGConfig(128, 64, head_dim, input_kind, "plain")
     if d_pad <= 128:
@@ -1786,7 +1816,8 @@ def config_for(head_dim: int, input_kind: str, q, k, v, causal: bool = False) ->
     :data:`SEAM_MAX_KEYS` keys with the seam step, and the 192 × 128 one with
     three consumers non-causal ones, its persistent blocks with the dynamic
     scheduler at every length); persistent blocks unless the call is
-    non-causal with :data:`PERSISTENT_MAX_KEYS` keys or more on another kernel.
+    non-causal with :data:`PERSISTENT_MAX_KEYS` keys or more on another kernel
+    with at most 128 (padded) head-dim columns.
 
     Where it copies with TMA, the best configuration that copies with
     ``cp.async`` instead when the TMA one cannot run on the arrays
@@ -1795,7 +1826,8 @@ def config_for(head_dim: int, input_kind: str, q, k, v, causal: bool = False) ->
     """
     n_k, causal = k.shape[2], bool(causal)
     long_keys = n_k >= WSO_MIN_KEYS_D64
-    persistent = causal or n_k < PERSISTENT_MAX_KEYS or three_consumers(head_dim, long_keys, causal)
+    persistent = (causal or n_k < PERSISTENT_MAX_KEYS or three_consumers(head_dim, long_keys, causal)
+                  or padded_head_dim(head_dim) > 2 * PANEL)
     cfg = choose_config(head_dim, input_kind, long_keys=long_keys, persistent=persistent, causal=causal,
                         seam=n_k < SEAM_MAX_KEYS)
     if cfg.copies == "tma" and not can_implement(cfg, q, k, v)[0]:
@@ -1936,7 +1968,8 @@ def tensor_maps(cfg: WGConfig, q, k, v):
 
 def compile_targets():
     """``(name, cfg, kernel, signature, fastmath)`` for the GPU configurations (the PTX check, sm_90a): bfloat16 at
-    every head dim, float16 at D = 128 with TMA (the two kinds differ only in the wgmma's input type and the
+    every head dim, with TMA and without (above D = 128 the ws-overlap pick with split stages and the overlap
+    kernel), float16 at D = 128 with TMA (the two kinds differ only in the wgmma's input type and the
     packing of P; a warp-specialised kernel takes one to two minutes on one of CI's cores, and the simulator runs
     both kinds everywhere); the long-key picks from D = 64 up (D = 40's are D = 64's tiles on the same padded
     width); and the D = 128 pick with ``pin_softmax``, whose schedule the check also reads, the D = 64 causal pick

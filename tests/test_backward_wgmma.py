@@ -342,7 +342,8 @@ def test_config_validation():
     assert B.WGBackwardConfig(128, 64, 128, "bfloat16", dkdv_ws=True, bulk_dq=True, dk_last=True).dk_last
     with pytest.raises(ValueError, match="needs d_slice"):
         B.WGBackwardConfig(64, 16, 136, "float16")
-    # Above D = 128: two slices of 128 columns; auto keeps the mma.sync backward there (measured faster).
+    # Above D = 128: two slices of 128 columns; auto takes them where both slices are whole (D > 192, measured
+    # faster than the mma.sync backward), and keeps the mma.sync backward at a padded 192 (not timed).
     big = B.choose_config(256, "bfloat16", simulator=False)
     assert (big.block_m, big.block_n, big.d_slice, big.slices, big.d_smem) == (64, 64, 128, 2, 256)
     assert B.shared_bytes(big) == 192 * 1024 + 2 * 2 * 64 * 4
@@ -351,6 +352,7 @@ def test_config_validation():
         B.dkdv_wgmma_kernel(big, True)
     assert B.choose_config(192, "bfloat16", simulator=False).d_smem == 256  # padded 192: a zero panel
     assert B.takes_head_dim(256) and not B.takes_head_dim(264) and B.AUTO_MAX_HEAD_DIM == 128
+    assert [d for d in range(8, 265, 8) if B.auto_takes_head_dim(d)] == [*range(8, 129, 8), *range(200, 257, 8)]
     # K, V (or Q, dO) once, Q, dO (or K, V) twice: 128 × 64 tiles at D = 128 are 2 · 32 + 4 · 16 KB.
     assert B.shared_bytes(B.WGBackwardConfig(128, 64, 128, "float16")) == 128 * 1024 + 2 * 2 * 64 * 4  # + lse2, D
     three = B.WGBackwardConfig(128, 64, 128, "float16", dq_stages=3)  # a third streamed buffer of each: + 32 KB

@@ -192,22 +192,24 @@ def test_forward_wgmma_two_q_buffers(xp, rng, block_m, pipeline, stages, seam, k
 
 
 @hopper
-@pytest.mark.parametrize("block_m,pipeline,stages,kind,causal,n_q,n_k,batch,heads,extra", [
-    # causal pairs, ragged, 4 chunks on 2 blocks
-    (128, "ws-overlap", 3, "bfloat16", True, 200, 75, 2, 2, {}),
+@pytest.mark.parametrize("block_m,pipeline,stages,kind,causal,n_q,n_k,batch,heads,extra,launches", [
+    # causal pairs, ragged, 4 chunks on 2 blocks; a second launch on the counter the first one left
+    (128, "ws-overlap", 3, "bfloat16", True, 200, 75, 2, 2, {}, 2),
     # three consumers, 6 non-causal items; the seam across dynamically taken items
-    (192, "ws-overlap", 3, "float16", False, 400, 45, 1, 2, {"q_buffers": 2, "seam": True}),
+    (192, "ws-overlap", 3, "float16", False, 400, 45, 1, 2, {"q_buffers": 2, "seam": True}, 1),
     # the ws pipeline, split K/V; items that see no key (query tiles past the keys, causal)
-    (128, "ws", 2, "float16", True, 300, 150, 1, 2, {"split_kv": True}),
+    (128, "ws", 2, "float16", True, 300, 150, 1, 2, {"split_kv": True}, 1),
     # causal items one at a time, longest first (no pairs), ragged, query tile 0 sees no key; the seam between them
-    (128, "ws-overlap", 3, "float16", True, 260, 130, 1, 2, {"causal_pairs": False, "q_buffers": 2, "seam": True}),
+    (128, "ws-overlap", 3, "float16", True, 260, 130, 1, 2, {"causal_pairs": False, "q_buffers": 2, "seam": True}, 1),
 ])
 def test_forward_wgmma_dynamic_scheduler(xp, rng, monkeypatch, block_m, pipeline, stages, kind, causal, n_q, n_k,
-                                         batch, heads, extra):
+                                         batch, heads, extra, launches):
     """``dynamic=True``: a persistent block takes its first chunk by its index and the next ones off the work
     counter (the issuing thread fetches, publishes each in a slot on an mbarrier, every other thread reads it and
-    releases the slot).  Two launches share one counter, as launches on one stream do: a block that missed a chunk,
-    took one twice or left the counter non-zero fails the check of either launch (the outputs start as NaN)."""
+    releases the slot).  A block that missed a chunk or took one twice fails the check (the outputs start as NaN);
+    the last block must set the counter back to zero, which is asserted after every launch.  The first case
+    launches twice on one counter, as launches on one stream do (one simulated launch of each of the others is
+    enough: the assertion already sees the counter the next launch would find)."""
     cfg = W.WGConfig(block_m, 16, 64, kind, pipeline, stages=stages, copies="tma", setmaxnreg=True, persistent=True,
                      dynamic=True, **extra)
     chunks = -(-(-(-n_q // block_m) * batch * heads) // (2 if causal and cfg.causal_pairs else 1))
@@ -215,7 +217,7 @@ def test_forward_wgmma_dynamic_scheduler(xp, rng, monkeypatch, block_m, pipeline
         assert W.work_grid(cfg, batch, heads, n_q, causal)[0] == 2 < chunks  # chunks handed out at run time
     counter = xp.zeros(2, np.int32)
     monkeypatch.setattr(W, "work_counter", lambda cfg: counter)
-    for _ in range(2):
+    for _ in range(launches):
         run_and_check(xp, rng, n_q, n_k, 64, kind, causal, cfg=cfg, layout="bshd", batch=batch, heads=heads,
                       launch=launch)
         assert counter.tolist() == [0, 0]  # the last block set it back
@@ -286,6 +288,8 @@ def test_forward_wgmma_softmax_pinned(xp, rng, copies, kind, causal, n_q, n_k):
     (2100, 2100, 64, False, 1, 20, "float16"),  # the 128 × 192 ws-overlap tiles, 340 items
     (300, 131, 128, True, 1, 4, "bfloat16"),  # items that see no key
     (2000, 3000, 128, True, 1, 2, "float16"),  # seqlen_q < seqlen_k: every row sees keys, a ragged last key tile
+    (1100, 1300, 256, True, 2, 16, "bfloat16"),  # above D = 128: 2 split stages, 128 × 64 tiles
+    (1300, 1100, 176, False, 2, 16, "float16"),  # a padded 192: 128 × 96 tiles, a zero quarter panel
 ])
 def test_forward_wgmma_persistent_real_tiles(xp, rng, n_q, n_k, d, causal, batch, heads, kind):
     """The GPU's persistent picks at their own tiles, against float64: every block takes several work items."""
@@ -385,8 +389,9 @@ def test_forward_wgmma_rescales_when_the_max_grows(xp, rng, cfg):
 
 def test_tma_configuration_rules():
     """Only the ws pipelines (whose producer issues the copies) take ``copies="tma"``; on the GPU the ws-overlap
-    pipeline copies with TMA up to D = 128 (128 × 192 tiles at D <= 64 for long sequences, 128 × 128 otherwise),
-    and ``copies="cp.async"`` names the best configuration without it."""
+    pipeline copies with TMA at every head dim (128 × 192 tiles at D <= 64 for long sequences, 128 × 128 up to
+    D = 128; above it 2 stages with K and V on their own mbarriers, 128 × 96 tiles at a padded 192, 128 × 64 at
+    256, persistent), and ``copies="cp.async"`` names the best configuration without it."""
     with pytest.raises(ValueError, match="producer"):
         W.WGConfig(128, 16, 64, "float16", "plain", copies="tma")
     with pytest.raises(ValueError, match="copies"):
@@ -411,14 +416,23 @@ def test_tma_configuration_rules():
     assert not W.choose_config(128, "float16", simulator=False, copies="cp.async").persistent
     assert W.choose_config(64, "float16", simulator=False, copies="cp.async").pipeline == "plain"
     assert W.choose_config(128, "float16", simulator=False, copies="cp.async").copies == "cp.async"
-    assert W.choose_config(256, "float16", simulator=False).copies == "cp.async"  # overlap: no producer
+    for d, block_n in ((136, 96), (176, 96), (192, 96), (200, 64), (256, 64)):
+        for long_keys, causal in ((False, True), (True, True), (True, False)):
+            cfg = W.choose_config(d, "bfloat16", simulator=False, long_keys=long_keys, causal=causal)
+            want = ("ws-overlap", "tma", 128, block_n, 2, True, True, True)
+            assert (cfg.pipeline, cfg.copies, cfg.block_m, cfg.block_n, cfg.stages, cfg.setmaxnreg, cfg.split_kv,
+                    cfg.persistent) == want, d
+            assert cfg.register_split == W.WIDE_REGISTER_SPLIT and W.shared_bytes(cfg) <= 227 * 1024
+    wide = W.choose_config(256, "float16", simulator=False, copies="cp.async")  # overlap: no producer
+    assert (wide.pipeline, wide.copies, wide.block_n) == ("overlap", "cp.async", 64)
 
 
 @pytest.mark.skipif(SIMULATOR or (compute_capability() or (0, 0))[0] != 9, reason="config_for picks on a Hopper GPU")
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 176, 256])
 def test_config_for_persistent_rule(d):
     """On the GPU, :func:`config_for` gives TMA picks persistent blocks except for long non-causal calls (but the
-    three-consumer kernel's, which keep them with the dynamic scheduler), the long-sequence tiles at D = 64 from
+    three-consumer kernel's, which keep them with the dynamic scheduler, and those above D = 128, which keep them
+    at every length: measured faster at 16k keys too), the long-sequence tiles at D = 64 from
     WSO_MIN_KEYS_D64 keys, and the causal ones the seam step below SEAM_MAX_KEYS; the grid is then one block per
     multiprocessor."""
     import cupy as cp
@@ -432,7 +446,7 @@ def test_config_for_persistent_rule(d):
             three = d == 64 and n_k >= W.WSO_MIN_KEYS_D64 and not causal  # 192 × 128 tiles
             assert three == W.three_consumers(d, n_k >= W.WSO_MIN_KEYS_D64, causal)
             assert cfg.copies == "tma" and cfg.block_m == (192 if three else 128), (n_k, causal)
-            assert cfg.persistent == (causal or three or n_k < W.PERSISTENT_MAX_KEYS), (n_k, causal)
+            assert cfg.persistent == (causal or three or d > 128 or n_k < W.PERSISTENT_MAX_KEYS), (n_k, causal)
             assert cfg.dynamic == three, (n_k, causal)  # the three-consumer kernel's only
             wide = d == 64 and not three and n_k >= W.WSO_MIN_KEYS_D64  # 128 × 192 tiles
             if d == 64 and not three:
