@@ -10,7 +10,8 @@
 #   non-causal from 16k keys), 192 x 128 three consumers with the dynamic scheduler (D = 64 non-causal from 2k),
 #   128 x 192 with the seam step (D = 64 causal, 2k to 8k) and without (from 8k); bf16 and fp16, N = 512 ... 16k.
 # backward: the wgmma backward's picks (D = 128: ws dK/dV with bulk dQ; D = 64: the same with dQ's product
-#   under dV's and dK's), atomic route (the default) and deterministic.
+#   under dV's and dK's), by their atomic route only, the default (tc_backward.cfg_routes: bulk_dq changes
+#   nothing else).
 out=${1:?results folder}
 seqlens=${SEQLENS:-512,1024,2048,4096,8192,16384}
 export PYTHONUNBUFFERED=1

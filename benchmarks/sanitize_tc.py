@@ -94,11 +94,14 @@ if "--wgmma-backward" in sys.argv[1:]:
 if "--wgmma-forward" in sys.argv[1:]:
     # --part=i/n: every n-th configuration from the i-th (at each head dim), to compile the kernels into the disk
     # cache in n processes at once before the tool's run
-    part, parts = next((tuple(int(x) for x in a.split("=")[1].split("/")) for a in sys.argv if a.startswith("--part=")),
-                       (0, 1))
+    def flag(name, sep, default):
+        """The integers of ``--<name>=a<sep>b…`` on the command line; ``default`` without it."""
+        return next((tuple(int(x) for x in a.split("=", 1)[1].split(sep)) for a in sys.argv
+                     if a.startswith(f"--{name}=")), default)
+
+    part, parts = flag("part", "/", (0, 1))
     # --dims=176,256: only these head dims (default all four; above 128 the ws-overlap picks with split stages)
-    dims = next((tuple(int(x) for x in a.split("=")[1].split(",")) for a in sys.argv if a.startswith("--dims=")),
-                (64, 128, 176, 256))
+    dims = flag("dims", ",", (64, 128, 176, 256))
     for d in dims:
         # At D = 64 also the long-sequence picks: 128 × 192 (causal) and three consumers, 192 × 128 (non-causal;
         # persistent: with the dynamic scheduler); and the causal one with two Q_i buffers and the seam step

@@ -1108,10 +1108,10 @@ def dq_wgmma_kernel(cfg: WGBackwardConfig):
 #: measured 145–188 against 90–121 by the ``mma.sync`` backward's deterministic route and, non-causal, 153–170 by
 #: its atomic one (H100, bf16, N = 1k / 4k / 16k, ``tc-backward-NVIDIA-H100-80GB-HBM3-2026-12-07-s43-d256*.json``).
 AUTO_MAX_HEAD_DIM = 128
-#: From this head dim on the padded width is 256 (two whole slices) and ``auto`` takes this backward again.  A
-#: padded width of 192 (D = 136 … 192) runs its second slice half on a zero panel; not timed, so ``auto`` keeps
-#: the ``mma.sync`` backward there.
-AUTO_MIN_WIDE_HEAD_DIM = 193
+#: From this head dim on the padded width is four panels (two whole slices) and ``auto`` takes this backward
+#: again.  A padded width of three panels (D = 136 … 192) runs its second slice half on a zero panel; not timed,
+#: so ``auto`` keeps the ``mma.sync`` backward there.
+AUTO_MIN_WIDE_HEAD_DIM = 3 * PANEL + 1
 
 
 def auto_takes_head_dim(head_dim: int) -> bool:
