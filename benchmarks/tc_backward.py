@@ -367,6 +367,28 @@ def events_ms(fn, reps, inner=2, warmup=2):
     return statistics.median(times)
 
 
+def forward_shapes(dims, dtypes, cases):
+    """``(dtype, d, n_q, n_k, causal)``: for each forward kernel (``api.plan_forward``'s configuration) that the
+    ``(n_q, n_k, causal)`` cases take their O and lse from, the first case that runs it (on Hopper the picks change
+    with the keys' length and with causal)."""
+    plans = {}
+    for d in dims:
+        for dtype in dtypes:
+            for n_q, n_k, causal in cases:
+                q, k = (as_cupy(torch.empty(1, 1, n, d, device=DEVICE, dtype=dtype)) for n in (n_q, n_k))
+                plan = api.plan_forward(d, KIND[dtype], 1 / math.sqrt(d), q, k, k, causal=causal)
+                plans.setdefault((plan.backend, plan.config), (dtype, d, n_q, n_k, causal))
+    return list(plans.values())
+
+
+def warm_forward(dtype, d, n_q, n_k, causal):
+    """One forward by a case's kernel (one batch, one head: the same kernel), compiled into the disk cache by a
+    ``--jobs`` worker, so that the check or the timed run does not stop to compile it at its first case."""
+    q, k = (as_cupy(torch.randn(1, 1, n, d, device=DEVICE, dtype=dtype)) for n in (n_q, n_k))
+    api.forward_arrays(q, k, k, causal=causal, bf16_bits=dtype == torch.bfloat16)
+    torch.cuda.synchronize()
+
+
 def sweep_row(cfgs, dtype, d, causal, n, routes, reps):
     """TFLOP/s of SDPA's flash backward and of each candidate (each dQ route) on one shape."""
     b, h = max(1, TOKENS // n), WIDTH // d
@@ -508,8 +530,14 @@ def main():
 
     if args.compile_part:  # a --jobs worker: its share of the candidates, both routes, into the disk cache
         i, n = (int(x) for x in args.compile_part.split("/"))
-        cfgs = parse_configs(args.configs, dims, [KIND[dt] for dt in dtypes], args.only)[i::n]
-        compile_configs(log, cfgs, (True, False) if args.atomic else (True,))
+        cfgs = parse_configs(args.configs, dims, [KIND[dt] for dt in dtypes], args.only)
+        compile_configs(log, cfgs[i::n], (True, False) if args.atomic else (True,))
+        # ... and its share of the forward kernels the timed shapes take their O and lse from (after the candidates:
+        # the shares go round the parts from where the candidates stopped)
+        timed = [(n, n, causal) for n in (int(x) for x in args.seqlens.split(",") if x) for causal in (False, True)]
+        shapes = forward_shapes(dims, dtypes, ([] if args.no_check else SWEEP_CASES) + timed)
+        for shape in shapes[(i - len(cfgs)) % n::n]:
+            warm_forward(*shape)
         return
     env = environment()
     if not args.no_check:

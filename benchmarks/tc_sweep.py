@@ -475,6 +475,13 @@ def main():
         except Exception as e:  # a configuration that cannot compile or launch is reported, not fatal
             log(f"{cfg}: {type(e).__name__}: {e}")
             continue
+        if not args.no_check:
+            try:  # the check's bshd cases are strided views, another compiled kernel (Numba types them layout "A")
+                y = torch.randn(1, 64, 2, cfg.head_dim, device="cuda", dtype=dt)
+                run_tc(cfg, y, y, y, False, "bshd")
+                torch.cuda.synchronize()
+            except Exception as e:  # reported; the check then says whether the candidate runs there
+                log(f"{cfg} (bshd): {type(e).__name__}: {e}")
         mod = module(cfg)
         disp = mod.forward_wgmma_kernel(cfg) if mod is W else T.forward_tc_kernel(cfg)
         kern = next(iter(disp.overloads.values()))

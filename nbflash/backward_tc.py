@@ -190,7 +190,7 @@ from ._tiles import (
     make_tc_tile_storer,
 )
 from ._validate import array_module, tile_rows_problem
-from .masking import d_key_range, d_query_range, d_row_key_end, d_tile_needs_mask
+from .masking import d_key_query_range, d_key_range, d_query_range, d_row_key_end, d_tile_needs_mask
 
 __all__ = [
     "DQTiles",
@@ -537,11 +537,12 @@ def _make_transposed_gradients(m_tiles: int, n_tiles: int):
     Value i of tile (m, n) is key ``key_g + 16m + 8(i >> 1)`` (``key_g``: the key of the thread's row g in
     the first tile) and query ``query_t + 8n + (i & 1)`` (``query_t``: the query of its column 2t), so lse2
     and D are per *column*, read from ``smem_f[lse_at + 8n + (i & 1)]`` (``delta_at`` likewise).  ``masked``:
-    the block's tile pair needs the mask (:func:`~nbflash.masking.d_tile_needs_mask`); the row ends are then
-    computed here, on the few masked tiles.
+    the block's tile pair needs the mask (:func:`~nbflash.masking.d_tile_needs_mask`); each key's visible queries
+    (:func:`~nbflash.masking.d_key_query_range`) are then computed here, on the few masked tiles.
     """
     u64 = numba.uint64
     ZERO = numba.float32(0)
+    I32 = int if SIMULATOR else numba.int32  # the mask's compares in 32 bits (the simulator: Python ints, faster)
 
     def transposed_gradients(S, dP, smem_f, lse_at, delta_at, key_g, query_t, masked, seqlen_q, seqlen_k, causal,
                              scale_log2):
@@ -553,12 +554,17 @@ def _make_transposed_gradients(m_tiles: int, n_tiles: int):
                         x = m * n_tiles + n
                         S[x, 2 * r + c] = I.ex2_approx(S[x, 2 * r + c] * scale_log2 - lse2_c)
         if masked:
-            for n in range(n_tiles):
-                for c in range(2):
-                    key_end = d_row_key_end(query_t + 8 * n + c, seqlen_q, seqlen_k, causal)
-                    for m in range(m_tiles):
-                        for r in range(2):
-                            if key_g + 16 * m + 8 * r >= key_end:  # past a ragged end, or above the diagonal
+            for m in range(m_tiles):
+                for r in range(2):
+                    # Key key_g + 16m + 8r is seen by the queries [begin, end): by this thread's columns 8n + c in
+                    # [lo, hi), tile-local and clamped to the tile as 32 bits, so that each test below is two
+                    # 32-bit compares (a 64-bit compare is two ISETP).
+                    begin, end = d_key_query_range(key_g + 16 * m + 8 * r, seqlen_q, seqlen_k, causal)
+                    lo = I32(min(max(begin - query_t, 0), 8 * n_tiles))
+                    hi = I32(min(max(end - query_t, 0), 8 * n_tiles))
+                    for n in range(n_tiles):
+                        for c in range(2):
+                            if (I32(8 * n + c) < lo) | (I32(8 * n + c) >= hi):  # past a ragged end, above the diagonal
                                 S[m * n_tiles + n, 2 * r + c] = ZERO
         for n in range(n_tiles):
             for c in range(2):

@@ -43,7 +43,12 @@ With ``P_ij = exp(S_ij·scale − lse_i)`` recomputed tile by tile::
       do (offline sm_90a, 2026-12-06; a profile had the computing warps
       spending 41 % of their time issuing steps b and d).  The whole
       backward went 1.09–1.17× faster at D = 128 and 1.16–1.33× at D = 64
-      with it (H100, bf16, N = 1k–16k);
+      with it (H100, bf16, N = 1k–16k).  The masked step asks each of the
+      thread's two keys which queries see it
+      (:func:`~nbflash.masking.key_query_range`, a range of columns clamped
+      to the tile) and tests each pair by two 32-bit compares: one masked
+      copy in SASS where there had been two, 13–15 % fewer instructions in
+      the kernel, timed level (2026-12-07);
    c. ``dV_j += Pᵀ dO_i`` issued (registers × shared, dO_i read N-major);
    d. once dPᵀ is done (dV still running): ``dSᵀ = Pᵀ ∘ (dPᵀ − D_col)``, then
       ``dK_j += dSᵀ Q_i`` issued; both waited for before the next tile's
@@ -237,7 +242,7 @@ from .forward_wgmma import (
     supported_device,
     swizzled_tile_loader,
 )
-from .masking import d_key_range, d_query_range, d_row_key_end, d_tile_needs_mask
+from .masking import d_key_query_range, d_key_range, d_query_range, d_tile_needs_mask
 
 __all__ = [
     "WS_MIN_CAUSAL_KEYS_D64",
@@ -530,6 +535,7 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
     ZERO = numba.float32(0)
     INF = numba.float32(math.inf)
     u32, u64 = numba.uint32, numba.uint64
+    I32 = int if SIMULATOR else numba.int32  # the mask's compares in 32 bits (the simulator: Python ints, faster)
     p_frags = fragment_steps(N_TILES, D_TILES, D, cfg.input_kind).p_frags
     load_own = swizzled_tile_loader(BLOCK_M, THREADS, D, D_SMEM)
     load_stream = swizzled_tile_loader(BLOCK_N, THREADS, D, D_SMEM)
@@ -628,14 +634,21 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
             and query ``q_col + 8n + (i & 1)``, whose lse2 is ``smem_f[lse_at + 8n + (i & 1)]`` (``lse_at``
             unsigned: Numba adds a wraparound test to every signed index).  Masked: pairs past a ragged end or
             above the diagonal get 0."""
+            lo = cuda.local.array(2, numba.int32)  # masked: key + 8r is seen by the columns 8n + cc in [lo, hi)
+            hi = cuda.local.array(2, numba.int32)
+            if MASKED:
+                for r in range(2):
+                    # The key's queries (masking.key_query_range), tile-local and clamped to the tile, as 32 bits:
+                    # each of the 4 · N_TILES tests below is two 32-bit compares (a 64-bit compare is two ISETP).
+                    begin, end = d_key_query_range(key + 8 * r, seqlen_q, seqlen_k, causal)
+                    lo[r] = I32(min(max(begin - q_col, 0), 8 * N_TILES))
+                    hi[r] = I32(min(max(end - q_col, 0), 8 * N_TILES))
             for n in range(N_TILES):
                 for cc in range(2):
                     lse2_c = smem_f[lse_at + u32(8 * n + cc)]
-                    if MASKED:
-                        key_end = d_row_key_end(q_col + 8 * n + cc, seqlen_q, seqlen_k, causal)
                     for r in range(2):
                         p = I.ex2_approx(S[n, 2 * r + cc] * scale_log2 - lse2_c)
-                        if MASKED and key + 8 * r >= key_end:
+                        if MASKED and (I32(8 * n + cc) < lo[r]) | (I32(8 * n + cc) >= hi[r]):
                             p = ZERO
                         S[n, 2 * r + cc] = p
 

@@ -26,7 +26,10 @@ answers come from the functions below (compiled as device functions in
   pass, parallel over keys, loops over these)?
 * :func:`tile_needs_mask` / :func:`row_key_end` — does a tile straddle the
   diagonal or the ragged end of a sequence, and then which keys does each
-  row keep (always a prefix ``[0, row_key_end)``)?  :func:`first_masked_tile`
+  row keep (always a prefix ``[0, row_key_end)``)?  :func:`key_query_range`
+  is the same answer read down a column (the backward's transposed tiles):
+  the queries that see one key are always a suffix ``[begin, seqlen_q)``, or
+  none for a key past ``seqlen_k``.  :func:`first_masked_tile`
   gives the same answer for a whole row of key tiles at once: the tiles that
   need a mask are the last ones, so a kernel can run the others in a loop with
   no mask code at all.
@@ -75,6 +78,17 @@ def _query_range(k_start, block_n, seqlen_q, seqlen_k, causal):
     return begin, seqlen_q
 
 
+def _key_query_range(j, seqlen_q, seqlen_k, causal):
+    """Key ``j`` is seen by exactly the queries ``[begin, end)``: the suffix :func:`query_range` gives for a tile of
+    one key, or an empty range (``begin == end``) for a key past ``seqlen_k``.
+
+    Query ``i`` sees key ``j`` iff ``j < row_key_end(i)``, which holds for every ``i`` from the first such row on.
+    """
+    if j >= seqlen_k:
+        return seqlen_q, seqlen_q
+    return _query_range(j, 1, seqlen_q, seqlen_k, causal)
+
+
 def _tile_needs_mask(q_start, k_start, block_m, block_n, seqlen_q, seqlen_k, causal):
     """True if some element of the tile is invisible: a ragged end, or the causal diagonal.
 
@@ -103,6 +117,7 @@ def _first_masked_tile(q_start, block_m, block_n, seqlen_q, seqlen_k, causal):
 row_key_end = _row_key_end
 key_range = _key_range
 query_range = _query_range
+key_query_range = _key_query_range
 tile_needs_mask = _tile_needs_mask
 first_masked_tile = _first_masked_tile
 
@@ -119,5 +134,6 @@ d_row_key_end = device_function(_row_key_end)
 _DEVICE_NAMES = {"_row_key_end": d_row_key_end}
 d_key_range = _for_device(_key_range, _DEVICE_NAMES)
 d_query_range = _for_device(_query_range, _DEVICE_NAMES)
+d_key_query_range = _for_device(_key_query_range, {"_query_range": d_query_range})
 d_tile_needs_mask = _for_device(_tile_needs_mask, _DEVICE_NAMES)
 d_first_masked_tile = _for_device(_first_masked_tile, _DEVICE_NAMES)

@@ -262,6 +262,11 @@ def test_masking_host_functions():
             full = causal_mask(n_q, n_k) if causal else np.ones((n_q, n_k), bool)
             for i in range(n_q):
                 assert masking.row_key_end(i, n_q, n_k, causal) == full[i].sum()
+            for j in range(n_k + 3):  # keys past the end too: no query sees them
+                seen = full[:, j] if j < n_k else np.zeros(n_q, bool)
+                begin, end = masking.key_query_range(j, n_q, n_k, causal)
+                rows = np.arange(n_q)
+                assert 0 <= begin <= end <= n_q and ((rows >= begin) & (rows < end)).tolist() == seen.tolist()
             for bm, bn in [(4, 4), (8, 2)]:
                 for q0 in range(0, n_q, bm):
                     _, end = masking.key_range(q0, bm, n_q, n_k, causal)
