@@ -190,7 +190,7 @@ from ._tiles import (
     make_tc_tile_storer,
 )
 from ._validate import array_module, tile_rows_problem
-from .masking import d_key_query_range, d_key_range, d_query_range, d_row_key_end, d_tile_needs_mask
+from .masking import d_key_columns, d_key_range, d_query_range, d_row_key_end, d_tile_needs_mask
 
 __all__ = [
     "DQTiles",
@@ -537,8 +537,8 @@ def _make_transposed_gradients(m_tiles: int, n_tiles: int):
     Value i of tile (m, n) is key ``key_g + 16m + 8(i >> 1)`` (``key_g``: the key of the thread's row g in
     the first tile) and query ``query_t + 8n + (i & 1)`` (``query_t``: the query of its column 2t), so lse2
     and D are per *column*, read from ``smem_f[lse_at + 8n + (i & 1)]`` (``delta_at`` likewise).  ``masked``:
-    the block's tile pair needs the mask (:func:`~nbflash.masking.d_tile_needs_mask`); each key's visible queries
-    (:func:`~nbflash.masking.d_key_query_range`) are then computed here, on the few masked tiles.
+    the block's tile pair needs the mask (:func:`~nbflash.masking.d_tile_needs_mask`); each key's visible columns
+    (:func:`~nbflash.masking.d_key_columns`) are then computed here, on the few masked tiles.
     """
     u64 = numba.uint64
     ZERO = numba.float32(0)
@@ -556,12 +556,11 @@ def _make_transposed_gradients(m_tiles: int, n_tiles: int):
         if masked:
             for m in range(m_tiles):
                 for r in range(2):
-                    # Key key_g + 16m + 8r is seen by the queries [begin, end): by this thread's columns 8n + c in
-                    # [lo, hi), tile-local and clamped to the tile as 32 bits, so that each test below is two
-                    # 32-bit compares (a 64-bit compare is two ISETP).
-                    begin, end = d_key_query_range(key_g + 16 * m + 8 * r, seqlen_q, seqlen_k, causal)
-                    lo = I32(min(max(begin - query_t, 0), 8 * n_tiles))
-                    hi = I32(min(max(end - query_t, 0), 8 * n_tiles))
+                    # Key key_g + 16m + 8r is seen by this thread's columns 8n + c in [lo, hi) (masking.key_columns),
+                    # as 32 bits, so that each test below is two 32-bit compares (a 64-bit compare is two ISETP).
+                    first, past = d_key_columns(key_g + 16 * m + 8 * r, query_t, 8 * n_tiles, seqlen_q, seqlen_k,
+                                                causal)
+                    lo, hi = I32(first), I32(past)
                     for n in range(n_tiles):
                         for c in range(2):
                             if (I32(8 * n + c) < lo) | (I32(8 * n + c) >= hi):  # past a ragged end, above the diagonal

@@ -242,7 +242,7 @@ from .forward_wgmma import (
     supported_device,
     swizzled_tile_loader,
 )
-from .masking import d_key_query_range, d_key_range, d_query_range, d_tile_needs_mask
+from .masking import d_key_columns, d_key_range, d_query_range, d_tile_needs_mask
 
 __all__ = [
     "WS_MIN_CAUSAL_KEYS_D64",
@@ -638,11 +638,10 @@ def dkdv_wgmma_kernel(cfg: WGBackwardConfig, atomic_dq: bool = False):
             hi = cuda.local.array(2, numba.int32)
             if MASKED:
                 for r in range(2):
-                    # The key's queries (masking.key_query_range), tile-local and clamped to the tile, as 32 bits:
-                    # each of the 4 · N_TILES tests below is two 32-bit compares (a 64-bit compare is two ISETP).
-                    begin, end = d_key_query_range(key + 8 * r, seqlen_q, seqlen_k, causal)
-                    lo[r] = I32(min(max(begin - q_col, 0), 8 * N_TILES))
-                    hi[r] = I32(min(max(end - q_col, 0), 8 * N_TILES))
+                    # The key's columns (masking.key_columns) as 32 bits: each of the 4 · N_TILES tests below is
+                    # two 32-bit compares (a 64-bit compare is two ISETP).
+                    first, past = d_key_columns(key + 8 * r, q_col, 8 * N_TILES, seqlen_q, seqlen_k, causal)
+                    lo[r], hi[r] = I32(first), I32(past)
             for n in range(N_TILES):
                 for cc in range(2):
                     lse2_c = smem_f[lse_at + u32(8 * n + cc)]

@@ -29,7 +29,8 @@ answers come from the functions below (compiled as device functions in
   row keep (always a prefix ``[0, row_key_end)``)?  :func:`key_query_range`
   is the same answer read down a column (the backward's transposed tiles):
   the queries that see one key are always a suffix ``[begin, seqlen_q)``, or
-  none for a key past ``seqlen_k``.  :func:`first_masked_tile`
+  none for a key past ``seqlen_k`` (:func:`key_columns`: the same within a
+  tile's columns).  :func:`first_masked_tile`
   gives the same answer for a whole row of key tiles at once: the tiles that
   need a mask are the last ones, so a kernel can run the others in a loop with
   no mask code at all.
@@ -89,6 +90,14 @@ def _key_query_range(j, seqlen_q, seqlen_k, causal):
     return _query_range(j, 1, seqlen_q, seqlen_k, causal)
 
 
+def _key_columns(j, col0, n_cols, seqlen_q, seqlen_k, causal):
+    """:func:`key_query_range` in a tile whose column ``c`` is query ``col0 + c`` (``0 <= c < n_cols``): key ``j``
+    is seen by exactly the columns ``[lo, hi)``, both clamped to ``[0, n_cols]`` (so that a kernel may compare
+    them with its column numbers in 32 bits)."""
+    begin, end = _key_query_range(j, seqlen_q, seqlen_k, causal)
+    return min(max(begin - col0, 0), n_cols), min(max(end - col0, 0), n_cols)
+
+
 def _tile_needs_mask(q_start, k_start, block_m, block_n, seqlen_q, seqlen_k, causal):
     """True if some element of the tile is invisible: a ragged end, or the causal diagonal.
 
@@ -118,6 +127,7 @@ row_key_end = _row_key_end
 key_range = _key_range
 query_range = _query_range
 key_query_range = _key_query_range
+key_columns = _key_columns
 tile_needs_mask = _tile_needs_mask
 first_masked_tile = _first_masked_tile
 
@@ -135,5 +145,6 @@ _DEVICE_NAMES = {"_row_key_end": d_row_key_end}
 d_key_range = _for_device(_key_range, _DEVICE_NAMES)
 d_query_range = _for_device(_query_range, _DEVICE_NAMES)
 d_key_query_range = _for_device(_key_query_range, {"_query_range": d_query_range})
+d_key_columns = _for_device(_key_columns, {"_key_query_range": d_key_query_range})
 d_tile_needs_mask = _for_device(_tile_needs_mask, _DEVICE_NAMES)
 d_first_masked_tile = _for_device(_first_masked_tile, _DEVICE_NAMES)

@@ -267,6 +267,12 @@ def test_masking_host_functions():
                 begin, end = masking.key_query_range(j, n_q, n_k, causal)
                 rows = np.arange(n_q)
                 assert 0 <= begin <= end <= n_q and ((rows >= begin) & (rows < end)).tolist() == seen.tolist()
+                for col0, n_cols in [(0, n_q), (3, 4), (-2, 5), (n_q, 2)]:  # a tile's columns: query col0 + c
+                    lo, hi = masking.key_columns(j, col0, n_cols, n_q, n_k, causal)
+                    cols = col0 + np.arange(n_cols)
+                    sees = [c in range(n_q) and bool(seen[c]) for c in cols]
+                    assert 0 <= lo <= hi <= n_cols
+                    assert ((np.arange(n_cols) >= lo) & (np.arange(n_cols) < hi)).tolist() == sees
             for bm, bn in [(4, 4), (8, 2)]:
                 for q0 in range(0, n_q, bm):
                     _, end = masking.key_range(q0, bm, n_q, n_k, causal)
